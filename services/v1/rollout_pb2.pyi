@@ -1,0 +1,166 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompts", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompts: _containers.RepeatedCompositeFieldContainer[GeneratePrompt]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GeneratePrompt(_message.Message):
+    __slots__ = ("prompt_id", "prompt")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    prompt: _common_pb2.Prompt
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...) -> None: ...
+
+class GeneratedSample(_message.Message):
+    __slots__ = ("request_id", "prompt_id", "prompt_index", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "replica_id", "timings")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    text: str
+    finish_reason: _common_pb2.FinishReason
+    policy_version: int
+    replica_id: str
+    timings: SampleTimings
+    def __init__(self, request_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[SampleTimings, _Mapping]] = ...) -> None: ...
+
+class SampleTimings(_message.Message):
+    __slots__ = ("first_token_seconds", "total_seconds")
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first_token_seconds: float
+    total_seconds: float
+    def __init__(self, first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "object_store", "broadcast", "abort_in_flight", "timeout_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_STORE_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    ABORT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    object_store: ObjectStoreSource
+    broadcast: BroadcastSource
+    abort_in_flight: bool
+    timeout_seconds: float
+    def __init__(self, version: _Optional[int] = ..., object_store: _Optional[_Union[ObjectStoreSource, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastSource, _Mapping]] = ..., abort_in_flight: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ObjectStoreSource(_message.Message):
+    __slots__ = ("url",)
+    URL_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    def __init__(self, url: _Optional[str] = ...) -> None: ...
+
+class BroadcastSource(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+    backend: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    bucket_bytes: int
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "drain_seconds", "transfer_seconds", "load_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    drain_seconds: float
+    transfer_seconds: float
+    load_seconds: float
+    def __init__(self, version: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("replica_id", "address", "model", "engine", "policy_version", "serving", "in_flight", "max_in_flight", "tokens_generated")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    model: str
+    engine: str
+    policy_version: int
+    serving: bool
+    in_flight: int
+    max_in_flight: int
+    tokens_generated: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., serving: _Optional[bool] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
