@@ -1,0 +1,38 @@
+"""Configuration of the coordinator process (`rlfabric serve coordinator`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlfabric.common.config import StrictModel
+from rlfabric.common.schema import LogConfig, RedisConfig
+
+
+class ApiConfig(StrictModel):
+    """The REST API."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port to bind; 0 picks a free port."""
+    token: str | None = None
+    """Bearer token required on every /v1 route; set it from RLFABRIC_COORDINATOR__API__TOKEN."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """Request bodies larger than this get 413."""
+
+
+class CoordinatorServiceConfig(StrictModel):
+    """The coordinator: REST API, prompt source and the generate -> score -> enqueue pipeline."""
+
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    """REST API."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Run state, replica registry and the scored-group streams."""
+    reward_address: str = "127.0.0.1:50052"
+    """host:port of the reward service."""
+    learner_address: str | None = None
+    """host:port of the learner's status API; None when the learner reports through Redis only."""
+    max_stream_length: int = Field(default=1024, ge=1)
+    """Backpressure: stop enqueueing while the run's stream holds this many unconsumed groups."""

@@ -1,0 +1,32 @@
+"""Configuration of the learner process (`rlfabric serve learner`, usually under torchrun)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlfabric.common.config import StrictModel
+from rlfabric.common.runspec import RunSpec
+from rlfabric.common.schema import LogConfig, RedisConfig, ServerConfig
+
+
+class LearnerServiceConfig(StrictModel):
+    """The learner: trains on scored groups from the run's stream and publishes weights."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50053))
+    """gRPC server of rank 0 (LearnerService.GetStatus)."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Where the run's streams live."""
+    run_id: str
+    """The run to train (streams rlfabric:{run_id}:*)."""
+    run: RunSpec
+    """The run spec (the same file the coordinator was given)."""
+    consumer_name: str | None = None
+    """Consumer name in the stream's consumer group; defaults to <hostname>-<pid>."""
+    max_deliveries: int = Field(default=3, ge=1)
+    """An entry delivered this many times without being applied goes to the dead-letter stream."""
+    rollout_addresses: list[str] = Field(default_factory=list)
+    """Replicas to notify of new versions directly (the coordinator does it when empty)."""
+    publish_token: str | None = None
+    """Bearer token presented on UpdateWeights; set it from RLFABRIC_LEARNER__PUBLISH_TOKEN."""

@@ -1,0 +1,56 @@
+"""Configuration of a rollout replica (`rlfabric serve rollout`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfabric.common.config import StrictModel
+from rlfabric.common.schema import LogConfig, RedisConfig, ServerConfig
+
+
+class EngineConfig(StrictModel):
+    """The generation engine."""
+
+    kind: Literal["vllm", "transformers"] = "vllm"
+    """vllm in production; transformers is the small reference engine (no vLLM needed)."""
+    model: str
+    """Local folder or hub id of the base model (policy version 0)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype: auto is bfloat16 on GPU and float32 on CPU."""
+    max_model_len: int = Field(default=2048, ge=16)
+    """Longest prompt + completion in tokens."""
+    kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    """KV cache size (vLLM on CPU needs it explicitly)."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: starts faster, generates slower."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    seed: int = 0
+    """Engine seed."""
+
+
+class RolloutServiceConfig(StrictModel):
+    """A rollout replica: one engine behind the RolloutService gRPC API."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50051))
+    """gRPC server."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    engine: EngineConfig
+    """The engine and model."""
+    replica_id: str | None = None
+    """Stable id of this replica; defaults to <hostname>-<port>."""
+    max_in_flight: int = Field(default=256, ge=1)
+    """Admitted prompts not yet finished; Generate past it gets RESOURCE_EXHAUSTED."""
+    run_id: str | None = None
+    """Run whose registry and weights this replica follows; None serves the base model only."""
+    redis: RedisConfig | None = None
+    """Registry: replicas register here with a heartbeat TTL. None disables registration."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """Registry heartbeat interval; the entry expires after three missed beats."""
+    learner_token: str | None = None
+    """Bearer token required on UpdateWeights; set it from RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file."""
+    update_timeout_s: float = Field(default=120.0, gt=0)
+    """Default limit on a whole weight update."""

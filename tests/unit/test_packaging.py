@@ -1,0 +1,32 @@
+"""Packaging: the wheel's package list covers every folder, and light services import without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(("rlfabric", *init.parent.relative_to(ROOT / "services").parts))
+        for init in (ROOT / "services").rglob("__init__.py")
+    }
+    assert found == listed
+
+
+def test_coordinator_and_reward_import_without_torch() -> None:
+    code = (
+        "import sys, rlfabric.cli, rlfabric.coordinator.config, rlfabric.reward.config, rlfabric.common.runspec\n"
+        "import importlib.util\n"
+        "for m in ('rlfabric.reward.main', 'rlfabric.reward.server', 'rlfabric.coordinator.main'):\n"
+        "    if importlib.util.find_spec(m): importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'vllm', 'transformers'})\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == ""
