@@ -13,7 +13,8 @@ import sys
 import time
 
 LIMIT_S = 2.0
-COMMANDS = [["--help"], *(["serve", name, "--help"] for name in ("coordinator", "rollout", "reward", "learner"))]
+SERVICES = ("coordinator", "rollout", "reward", "learner")
+COMMANDS = [["--help"], *(["serve", name, "--help"] for name in SERVICES)]
 
 
 def best_time(args: list[str]) -> float:

@@ -142,7 +142,8 @@ def format_errors(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        shown = err["type"] != "missing" and not isinstance(err["input"], dict)
+        got = f" (got {err['input']!r})" if shown else ""
         lines.append(f"  {where}: {err['msg']}{got}")
     return "\n".join(lines)
 

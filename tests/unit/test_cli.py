@@ -9,16 +9,16 @@ import pytest
 
 HEAVY = ("torch", "vllm", "transformers", "grpc", "redis", "fastapi")
 
-PROBE = """
+PROBE = f"""
 import sys
 from rlfabric import cli
 try:
     cli.main(sys.argv[1:])
 except SystemExit:
     pass
-heavy = sorted({m.split('.')[0] for m in sys.modules} & set(%r))
+heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))
 print('HEAVY=' + ','.join(heavy), file=sys.stderr)
-""" % (HEAVY,)
+"""
 
 
 def run_help(*args: str) -> subprocess.CompletedProcess[str]:

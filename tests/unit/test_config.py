@@ -80,7 +80,7 @@ def test_missing_required_field_is_named(tmp_path: Path) -> None:
 
 
 def test_cross_field_rule_group_estimator_needs_two_samples(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="rollout.sampling.n must be >= 2"):
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.n must be >= 2"):
         load_config(RunSpec, path=write(tmp_path, "run.toml", RUN_TOML), overrides=["rollout.sampling.n=1"])
 
 
@@ -91,7 +91,8 @@ def test_broken_file_syntax_is_reported_with_the_path(tmp_path: Path) -> None:
 
 
 def test_override_precedence_file_env_set_flags(tmp_path: Path) -> None:
-    path = write(tmp_path, "reward.toml", "[server]\nport = 1000\nhost = '10.0.0.1'\nmax_concurrent_rpcs = 7\n")
+    file_text = "[server]\nport = 1000\nhost = '10.0.0.1'\nmax_concurrent_rpcs = 7\n"
+    path = write(tmp_path, "reward.toml", file_text)
     env = {
         "RLFABRIC_REWARD__SERVER__PORT": "2000",
         "RLFABRIC_REWARD__SERVER__MAX_CONCURRENT_RPCS": "9",
@@ -137,7 +138,7 @@ def test_set_parses_lists_and_booleans() -> None:
 
 
 def test_malformed_override_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="key.path=value"):
+    with pytest.raises(ConfigError, match=r"key\.path=value"):
         load_config(RewardServiceConfig, overrides=["workers"])
 
 

@@ -21,7 +21,8 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 def test_coordinator_and_reward_import_without_torch() -> None:
     code = (
-        "import sys, rlfabric.cli, rlfabric.coordinator.config, rlfabric.reward.config, rlfabric.common.runspec\n"
+        "import sys, rlfabric.cli, rlfabric.coordinator.config, rlfabric.reward.config\n"
+        "import rlfabric.common.runspec\n"
         "import importlib.util\n"
         "for m in ('rlfabric.reward.main', 'rlfabric.reward.server', 'rlfabric.coordinator.main'):\n"
         "    if importlib.util.find_spec(m): importlib.import_module(m)\n"

@@ -1,0 +1,193 @@
+"""OpenTelemetry tracing set up from the standard OTEL_* environment variables, and context propagation.
+
+Tracing is off unless `OTEL_TRACES_EXPORTER` names an exporter ("console", "otlp", or a comma-separated
+list of them); when off, the SDK is not even imported and every helper here returns at once without
+touching OpenTelemetry, so instrumented code costs a flag check. The OTLP exporter speaks gRPC and reads
+its own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`, ...); the sampler honours
+`OTEL_TRACES_SAMPLER`; `OTEL_SERVICE_NAME` overrides the name a service passes in.
+
+A trace crosses three kinds of boundary, each with its pair of helpers:
+    gRPC calls       inject_metadata / extract_from_metadata   (W3C `traceparent` / `tracestate` keys)
+    HTTP requests    inject_headers / extract_from_headers
+    stored payloads  to_trace_context / from_trace_context     (the `rlfabric.v1.TraceContext` message,
+                                                                 e.g. a ScoredGroup in a Redis stream)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from rlfabric.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
+
+
+@dataclass
+class _TracingState:
+    """The process's tracing setup; `provider is None` means tracing is off."""
+
+    provider: TracerProvider | None = None
+    tracer: trace.Tracer | None = None
+    global_provider_set: bool = False
+
+
+_state = _TracingState()
+
+
+def tracing_enabled() -> bool:
+    """True once `setup_tracing` has installed an exporter (and until `shutdown_tracing`)."""
+    return _state.provider is not None
+
+
+def setup_tracing(service_name: str, *, exporter: SpanExporter | None = None) -> bool:
+    """Turns tracing on as the OTEL_* variables say; returns whether it is on.
+
+    `exporter`, when given, is used instead of the environment (tests pass an in-memory one) and spans
+    are exported synchronously. Idempotent: a second call while tracing is on changes nothing. The first
+    provider created also becomes OpenTelemetry's global one, so libraries' own spans join the trace.
+    """
+    if _state.provider is not None:
+        return True
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    processors = [SimpleSpanProcessor(exporter)] if exporter is not None else _processors_from_env()
+    if not processors:
+        return False
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    for processor in processors:
+        provider.add_span_processor(processor)
+    if not _state.global_provider_set:
+        trace.set_tracer_provider(provider)
+        _state.global_provider_set = True
+    _state.provider = provider
+    _state.tracer = provider.get_tracer("rlfabric")
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Flushes pending spans and turns tracing off (for process exit and for tests)."""
+    provider, _state.provider, _state.tracer = _state.provider, None, None
+    if provider is not None:
+        provider.shutdown()
+
+
+def _processors_from_env() -> list[SpanProcessor]:
+    """Span processors for the exporters named in OTEL_TRACES_EXPORTER; empty when unset or "none"."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    names = [n.strip().lower() for n in os.environ.get(EXPORTER_ENV, "").split(",") if n.strip()]
+    return [BatchSpanProcessor(_exporter_named(n)) for n in names if n != "none"]
+
+
+def _exporter_named(name: str) -> SpanExporter:
+    """The exporter for one OTEL_TRACES_EXPORTER entry; an unknown name is a configuration error."""
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    raise ValueError(f"{EXPORTER_ENV}={name!r} is not supported (use 'otlp', 'console' or 'none')")
+
+
+@contextlib.contextmanager
+def span(
+    name: str,
+    *,
+    parent: otel_context.Context | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Mapping[str, str | int | float | bool] | None = None,
+) -> Iterator[trace.Span]:
+    """Runs the block in a new current span (a child of `parent`, else of the current span).
+
+    When tracing is off it yields `trace.INVALID_SPAN` and does nothing else. Exceptions escaping the
+    block are recorded on the span and re-raised.
+    """
+    if _state.tracer is None:
+        yield trace.INVALID_SPAN
+        return
+    with _state.tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as s:
+        yield s
+
+
+def inject_metadata(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Appends the current trace context to gRPC call metadata (in place) and returns the list."""
+    if _state.provider is None:
+        return metadata
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    metadata.extend(carrier.items())
+    return metadata
+
+
+def extract_from_metadata(invocation_metadata: Iterable[Any] | None) -> otel_context.Context | None:
+    """The trace context carried by incoming gRPC metadata, or None when tracing is off or none came.
+
+    `invocation_metadata` is what `context.invocation_metadata()` returns: (key, value) pairs, a
+    `grpc.aio.Metadata` included. Binary (`-bin`) entries are ignored: trace context headers are text.
+    """
+    if _state.provider is None or not invocation_metadata:
+        return None
+    carrier = {key: value for key, value in invocation_metadata if isinstance(value, str)}
+    return propagate.extract(carrier)
+
+
+def inject_headers(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Adds the current trace context to outgoing HTTP headers (in place) and returns them."""
+    if _state.provider is not None:
+        propagate.inject(headers)
+    return headers
+
+
+def extract_from_headers(headers: Mapping[str, str]) -> otel_context.Context | None:
+    """The trace context of an incoming HTTP request, or None when tracing is off."""
+    if _state.provider is None:
+        return None
+    return propagate.extract({key.lower(): value for key, value in headers.items()})
+
+
+def to_trace_context() -> common_pb2.TraceContext:
+    """The current span's context as a proto, to store with a payload; empty fields when tracing is off."""
+    if _state.provider is None:
+        return common_pb2.TraceContext()
+    carrier: dict[str, str] = {}
+    _TRACE_CONTEXT.inject(carrier)
+    return common_pb2.TraceContext(
+        traceparent=carrier.get("traceparent", ""), tracestate=carrier.get("tracestate", "")
+    )
+
+
+def from_trace_context(message: common_pb2.TraceContext) -> otel_context.Context | None:
+    """The context stored by `to_trace_context`, to pass as `parent=`; None when off or empty."""
+    if _state.provider is None or not message.traceparent:
+        return None
+    carrier = {"traceparent": message.traceparent}
+    if message.tracestate:
+        carrier["tracestate"] = message.tracestate
+    return _TRACE_CONTEXT.extract(carrier)
+
+
+def current_ids() -> tuple[str, str] | None:
+    """(trace_id, span_id) of the current span as lowercase hex, or None when there is no valid span."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")

@@ -1,0 +1,156 @@
+"""Trace-context propagation (on and off) and the JSON log format."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import INVALID_SPAN
+
+from rlfabric.common import telemetry
+from rlfabric.common.logs import setup_logging
+from rlfabric.v1 import common_pb2
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    assert telemetry.setup_tracing("unit-test", exporter=exporter)
+    yield exporter
+    telemetry.shutdown_tracing()
+
+
+@pytest.fixture
+def log_stream() -> Iterator[io.StringIO]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    stream = io.StringIO()
+    yield stream
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_context_round_trips_through_grpc_metadata(exporter: InMemorySpanExporter) -> None:
+    with telemetry.span("client") as client:
+        metadata = telemetry.inject_metadata([("x-request-id", "7")])
+    assert metadata[0] == ("x-request-id", "7")
+    assert dict(metadata)["traceparent"].startswith("00-")
+
+    parent = telemetry.extract_from_metadata([*metadata, ("payload-bin", b"\x00")])
+    with telemetry.span("server", parent=parent) as server:
+        pass
+    assert server.get_span_context().trace_id == client.get_span_context().trace_id
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    assert finished["server"].parent is not None
+    assert finished["server"].parent.span_id == client.get_span_context().span_id
+
+
+def test_context_round_trips_through_the_trace_context_proto(exporter: InMemorySpanExporter) -> None:
+    with telemetry.span("produce") as producer:
+        stored = common_pb2.TraceContext.FromString(telemetry.to_trace_context().SerializeToString())
+    trace_id = format(producer.get_span_context().trace_id, "032x")
+    assert stored.traceparent.split("-")[1] == trace_id
+
+    with telemetry.span("consume", parent=telemetry.from_trace_context(stored)) as consumer:
+        pass
+    assert consumer.get_span_context().trace_id == producer.get_span_context().trace_id
+
+
+def test_context_round_trips_through_http_headers(exporter: InMemorySpanExporter) -> None:
+    with telemetry.span("call") as caller:
+        headers = telemetry.inject_headers({"Accept": "application/json"})
+    parent = telemetry.extract_from_headers({k.title(): v for k, v in headers.items()})
+    with telemetry.span("handle", parent=parent) as handler:
+        pass
+    assert handler.get_span_context().trace_id == caller.get_span_context().trace_id
+
+
+def test_everything_is_a_no_op_when_tracing_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value in (None, "none"):
+        if value is None:
+            monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+        else:
+            monkeypatch.setenv("OTEL_TRACES_EXPORTER", value)
+        assert not telemetry.setup_tracing("unit-test")
+        assert not telemetry.tracing_enabled()
+    with telemetry.span("ignored") as span:
+        assert span is INVALID_SPAN
+        assert telemetry.inject_metadata([("k", "v")]) == [("k", "v")]
+        assert telemetry.inject_headers({}) == {}
+        assert telemetry.to_trace_context() == common_pb2.TraceContext()
+    assert (
+        telemetry.extract_from_metadata([("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")]) is None
+    )
+    assert telemetry.from_trace_context(common_pb2.TraceContext(traceparent="00-x")) is None
+
+
+def test_exporter_and_service_name_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        telemetry.setup_tracing("unit-test")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none,console")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+    try:
+        assert telemetry.setup_tracing("unit-test")
+        assert telemetry.setup_tracing("unit-test")  # idempotent
+        provider = telemetry._state.provider
+        assert provider is not None
+        assert provider.resource.attributes["service.name"] == "from-env"
+    finally:
+        telemetry.shutdown_tracing()
+    assert not telemetry.tracing_enabled()
+
+
+def test_json_logs_carry_fields_extras_and_the_active_trace(
+    exporter: InMemorySpanExporter, log_stream: io.StringIO
+) -> None:
+    setup_logging("reward", level="DEBUG", stream=log_stream)
+    setup_logging("reward", level="DEBUG", stream=log_stream)  # idempotent: still one handler
+    log = logging.getLogger("rlfabric.test")
+    log.info("plain %s", "message", extra={"batch": 8, "where": object()})
+    with telemetry.span("work") as span:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("failed")
+
+    first, second = (json.loads(line) for line in log_stream.getvalue().splitlines())
+    assert first["msg"] == "plain message"
+    assert (first["level"], first["logger"], first["service"], first["batch"]) == (
+        "INFO",
+        "rlfabric.test",
+        "reward",
+        8,
+    )
+    assert first["ts"].endswith("+00:00")
+    assert "trace_id" not in first
+    assert second["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert second["span_id"] == format(span.get_span_context().span_id, "016x")
+    assert "ValueError: boom" in second["exc"]
+
+
+def test_text_logs_and_unknown_formats(log_stream: io.StringIO) -> None:
+    setup_logging("coordinator", fmt="text", stream=log_stream)
+    logging.getLogger("rlfabric.test").warning("careful")
+    assert "WARNING coordinator rlfabric.test: careful" in log_stream.getvalue()
+    with pytest.raises(ValueError, match="log format"):
+        setup_logging("coordinator", fmt="xml", stream=log_stream)  # type: ignore[arg-type]
+
+
+def test_shared_modules_import_neither_torch_nor_the_tracing_sdk() -> None:
+    code = (
+        "import sys\n"
+        "import rlfabric.common.grpc_server, rlfabric.common.grpc_client, rlfabric.common.logs\n"
+        "import rlfabric.common.metrics, rlfabric.common.telemetry, rlfabric.common.errors\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('opentelemetry.sdk')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
