@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     from rlfabric.common import tiny_model
 
     tiny_model.add_arguments(tiny)
+    reward = sub.add_parser("reward", help="score files with the reward scorers, in-process or on a service")
+    from rlfabric.reward import cli as reward_cli
+
+    reward_cli.add_arguments(reward)
     return parser
 
 
@@ -191,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "config":
             return run_config(args)
+        if args.command == "reward":
+            from rlfabric.reward import cli as reward_cli
+
+            return reward_cli.run(args)
         from rlfabric.common import tiny_model
 
         return tiny_model.run(args)

@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlfabric.common import telemetry
 from rlfabric.common.errors import ServiceError, Unauthenticated
+from rlfabric.common.schema import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,23 @@ class GrpcServerOptions:
         """`host:port` in the form gRPC binds (IPv6 literals bracketed)."""
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
+
+
+def options_from_config(config: ServerConfig) -> GrpcServerOptions:
+    """The server options of a service's `server` config section."""
+    tls = None
+    if config.tls is not None:
+        tls = TlsFiles(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
+    return GrpcServerOptions(
+        host=config.host,
+        port=config.port,
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+        keepalive_time_s=config.keepalive_time_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        grace_period_s=config.grace_period_s,
+        tls=tls,
+    )
 
 
 def server_channel_options(options: GrpcServerOptions) -> list[tuple[str, int]]:

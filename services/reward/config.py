@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 
 from rlfabric.common.config import StrictModel
@@ -19,5 +21,12 @@ class RewardServiceConfig(StrictModel):
     """Default deadline per scored item when a request sets none."""
     max_batch_items: int = Field(default=4096, ge=1)
     """Largest batch accepted by Score; bigger ones get RESOURCE_EXHAUSTED."""
-    workers: int = Field(default=4, ge=1)
-    """Threads that run CPU-bound scorers concurrently."""
+    max_item_bytes: int = Field(default=1 << 20, ge=1)
+    """Largest single item (prompt + completion + reference + metadata); bigger gets RESOURCE_EXHAUSTED."""
+    workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    """Scorer worker processes (CPU-heavy scorers run there, off the event loop); defaults to the cores."""
+    inline_scorers: list[str] = Field(
+        default_factory=lambda: ["exact_match", "regex", "length_penalty", "overlong_penalty"]
+    )
+    """Cheap scorers run on a thread of the server process, where a process hop would cost more than the
+    scoring itself."""

@@ -1,0 +1,212 @@
+"""`rlfabric reward score` and `rlfabric reward list`: the reward service as a standalone tool.
+
+Input rows (JSONL) use the columns `id`, `prompt` (text or chat messages), `completion`, `reference`;
+every other column is passed to the scorer as metadata. Output rows are the input rows plus `reward`
+(null unless the status is ok), `status`, `message`, `components` and `scorer_version`, in input order.
+Scoring runs in-process (a worker pool of this machine's cores) or, with `--server`, on a running service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+SPEC_HELP = (
+    "a registered scorer name (see `rlfabric reward list`), or a JSON/YAML/TOML file in the run file's "
+    '[reward] form, e.g. {"scorer": "composite", "parts": [{"scorer": "math_verify", "weight": 1.0}]}'
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    score = verbs.add_parser(
+        "score",
+        help="score a JSONL file",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    score.add_argument("--input", required=True, type=Path, help="JSONL file of items")
+    score.add_argument("--output", required=True, type=Path, help="JSONL file to write (input rows + scores)")
+    score.add_argument("--scorer", required=True, metavar="SPEC", help=SPEC_HELP)
+    score.add_argument("--params", default="{}", help="JSON parameters for a scorer given by name")
+    score.add_argument("--server", metavar="HOST:PORT", help="use a running reward service instead")
+    score.add_argument("--batch-size", type=int, default=64, help="items per batch (default 64)")
+    score.add_argument(
+        "--workers", type=int, default=None, help="in-process worker processes (default: cores)"
+    )
+    score.add_argument("--item-timeout", type=float, default=10.0, help="seconds per item (default 10)")
+    score.add_argument("--timeout", type=float, default=300.0, help="seconds per batch (default 300)")
+    score.add_argument("--no-progress", action="store_true", help="no progress bar")
+    listing = verbs.add_parser("list", help="list the scorers and their parameters")
+    listing.add_argument("--server", metavar="HOST:PORT", help="ask a running reward service")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.verb == "list":
+        return run_list(args)
+    return run_score(args)
+
+
+def load_spec(text: str, params_json: str) -> Any:
+    """A ScorerSpec from a name (+ --params) or a spec file."""
+    from rlfabric.common.config import read_file
+    from rlfabric.reward.client import to_spec
+
+    path = Path(text)
+    if path.suffix.lower() in (".json", ".yaml", ".yml", ".toml"):
+        return to_spec(read_file(path))
+    return to_spec(text, json.loads(params_json))
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or "completion" not in row:
+                raise ValueError(f"{path}:{number}: each row must be an object with a `completion`")
+            rows.append(row)
+    return rows
+
+
+def batches(rows: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from rlfabric.reward.scorers import InvalidScorerSpec
+
+    try:
+        spec = load_spec(args.scorer, args.params)
+        rows = read_rows(args.input)
+    except (ValueError, InvalidScorerSpec) as exc:
+        print(f"rlfabric reward score: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    with tqdm(total=len(rows), unit="item", disable=args.no_progress, file=sys.stderr) as bar:
+        if args.server:
+            results = score_remote(args, spec, rows, bar)
+        else:
+            results = asyncio.run(score_local(args, spec, rows, bar))
+    write_rows(args.output, rows, results)
+    print_summary(results, time.perf_counter() - start)
+    return 0
+
+
+def score_remote(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]], bar: Any) -> list[Any]:
+    from rlfabric.reward.client import RewardClient
+
+    results = []
+    with RewardClient(args.server, timeout_s=args.timeout) as client:
+        for batch in batches(rows, args.batch_size):
+            results.extend(client.score(batch, spec, item_timeout_s=args.item_timeout))
+            bar.update(len(batch))
+    return results
+
+
+async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]], bar: Any) -> list[Any]:
+    import os
+
+    from rlfabric.reward.client import to_input
+    from rlfabric.reward.config import RewardServiceConfig
+    from rlfabric.reward.service import RewardEngine
+
+    inline = RewardServiceConfig().inline_scorers
+    engine = RewardEngine(
+        workers=args.workers or os.cpu_count() or 1, item_timeout_s=args.item_timeout, inline=inline
+    )
+    await engine.start()
+    try:
+        engine.resolve(spec)
+        items = [to_input(row, i) for i, row in enumerate(rows)]
+        gate = asyncio.Semaphore(engine.pool.size)
+
+        async def one(batch: Sequence[Any]) -> list[Any]:
+            async with gate:
+                scored = await engine.score(spec, batch, timeout_s=args.timeout)
+            bar.update(len(batch))
+            return [local_result(item.id, s) for item, s in zip(batch, scored, strict=True)]
+
+        parts = await asyncio.gather(*(one(b) for b in batches(items, args.batch_size)))
+    finally:
+        await engine.close()
+    return [r for part in parts for r in part]
+
+
+def local_result(item_id: str, scored: Any) -> Any:
+    from rlfabric.reward.client import ItemResult
+
+    r = scored.result
+    return ItemResult(
+        item_id,
+        r.reward,
+        r.status,
+        r.message,
+        r.components,
+        scored.scorer_name,
+        scored.scorer_version,
+        scored.latency_s,
+    )
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], results: list[Any]) -> None:
+    with path.open("w") as f:
+        for row, result in zip(rows, results, strict=True):
+            out = dict(row)
+            out["reward"] = result.reward if math.isfinite(result.reward) else None
+            out["status"] = result.status
+            out["message"] = result.message
+            out["components"] = result.components
+            out["scorer_version"] = result.scorer_version
+            f.write(json.dumps(out) + "\n")
+
+
+def print_summary(results: list[Any], seconds: float) -> None:
+    statuses = Counter(r.status for r in results)
+    rewards = [r.reward for r in results if r.status == "ok"]
+    mean = f"{statistics.fmean(rewards):.4f}" if rewards else "n/a"
+    print(
+        f"scored {len(results)} items in {seconds:.2f}s ({len(results) / max(seconds, 1e-9):.0f} items/s): "
+        f"mean reward {mean} over {len(rewards)} ok, "
+        f"{statuses['scorer_error']} scorer errors, {statuses['timeout']} timeouts"
+    )
+
+
+def run_list(args: argparse.Namespace) -> int:
+    if args.server:
+        from rlfabric.reward.client import RewardClient
+
+        with RewardClient(args.server) as client:
+            scorers = client.list_scorers()
+    else:
+        from dataclasses import asdict
+
+        from rlfabric.reward.scorers import describe_scorers
+
+        scorers = [asdict(info) for info in describe_scorers()]
+    if args.json:
+        print(json.dumps(scorers, indent=2))
+        return 0
+    for s in scorers:
+        print(f"{s['name']} (v{s['version']}): {s['description']}")
+        for p in s.get("params", []):
+            default = (
+                "required" if p.get("required") else f"default {p.get('default') or p.get('default_json')}"
+            )
+            print(f"    {p['name']}: {p['type']}, {default}. {p['description']}")
+    return 0

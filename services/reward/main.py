@@ -1,0 +1,52 @@
+"""`rlfabric serve reward`: the reward service process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
+from rlfabric.common.logs import setup_logging
+from rlfabric.common.metrics import start_metrics_server
+from rlfabric.common.telemetry import setup_tracing
+from rlfabric.reward.config import RewardServiceConfig
+from rlfabric.reward.server import RewardServicer
+from rlfabric.reward.service import RewardEngine
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def run(config: RewardServiceConfig) -> None:
+    """Starts the worker pool and the gRPC server; returns after a graceful shutdown."""
+    engine = RewardEngine(
+        workers=config.workers, item_timeout_s=config.item_timeout_s, inline=config.inline_scorers
+    )
+    await engine.start()
+    servicer = RewardServicer(
+        engine, max_batch_items=config.max_batch_items, max_item_bytes=config.max_item_bytes
+    )
+    server = GrpcServer(options_from_config(config.server))
+    server.add_servicer(
+        reward_pb2_grpc.add_RewardServiceServicer_to_server,
+        servicer,
+        full_service_name(reward_pb2, "RewardService"),
+    )
+    port = await server.start()
+    server.install_signal_handlers()
+    log.info("reward service listening", extra={"port": port, "workers": config.workers})
+    print(f"rlfabric reward service listening on {config.server.host}:{port}", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await engine.close()
+
+
+def serve(config: RewardServiceConfig) -> int:
+    setup_logging("reward", config.log.level, config.log.format)
+    setup_tracing("rlfabric-reward")
+    if config.server.metrics_port is not None:
+        port = start_metrics_server(config.server.host, config.server.metrics_port)
+        print(f"rlfabric reward metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    asyncio.run(run(config))
+    return 0

@@ -1,0 +1,132 @@
+"""`python_function`: a user reward function with TRL's signature, loaded by reference.
+
+The function is `fn(prompts, completions, **columns) -> list[float | None]`, as TRL's GRPOTrainer calls
+reward functions, so existing ones work unchanged. It is named `"package.module:attr"` (imported) or
+`"path/to/file.py:attr"` (loaded from the file). Per batch it receives:
+
+- `prompts`: each item's prompt, a string or a list of chat messages, as given;
+- `completions`: the completion strings;
+- `reference`: the reference strings, then one keyword per metadata key (a list aligned with the batch,
+  None where an item lacks the key; metadata wins over `reference` on a name clash, and keys named
+  `prompts` or `completions` are not passed). A function without
+  `**kwargs` receives only the keywords it names.
+
+A None for an item is a `scorer_error` for that item (TRL's "not applicable"), a return value of the
+wrong length is an error for every item, and an exception fails the batch (see `run_scorer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlfabric.reward.scorers.base import InvalidScorerSpec, ScoreInput, Scorer, ScoreResult, ScorerParams
+from rlfabric.reward.scorers.registry import register
+
+RewardFn = Callable[..., Sequence[float | None]]
+_POSITIONAL = {"prompts", "completions"}
+
+
+class PythonFunctionParams(ScorerParams):
+    function: str
+    """The function: "package.module:attr" or "path/to/file.py:attr"."""
+    kwargs: dict[str, Any] = {}
+    """Extra constant keyword arguments passed on every call (after the columns; they win on a clash)."""
+
+
+def load_function(spec: str) -> RewardFn:
+    """Resolve "module:attr" or "file.py:attr" to a callable; `InvalidScorerSpec` on any failure."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise InvalidScorerSpec("function", f"expected 'module:attr' or 'path.py:attr', got {spec!r}")
+    module = _load_module(target)
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise InvalidScorerSpec("function", f"{target!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise InvalidScorerSpec("function", f"{spec!r} is not callable")
+    return fn
+
+
+def _load_module(target: str) -> Any:
+    try:
+        if target.endswith(".py"):
+            return _load_file(Path(target))
+        return importlib.import_module(target)
+    except InvalidScorerSpec:
+        raise
+    except Exception as exc:
+        raise InvalidScorerSpec("function", f"cannot load {target!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_file(path: Path) -> Any:
+    if not path.is_file():
+        raise InvalidScorerSpec("function", f"no such file: {str(path)!r}")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    name = f"rlfabric_user_reward_{digest}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise InvalidScorerSpec("function", f"cannot import {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _accepted_keywords(fn: RewardFn) -> set[str] | None:
+    """The keyword names `fn` accepts, or None when it takes `**kwargs` (then it accepts all)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def build_columns(items: Sequence[ScoreInput]) -> dict[str, list[Any]]:
+    columns: dict[str, list[Any]] = {"reference": [item.reference for item in items]}
+    keys = sorted({key for item in items for key in item.metadata} - _POSITIONAL)
+    for key in keys:
+        columns[key] = [item.metadata.get(key) for item in items]
+    return columns
+
+
+@register
+class PythonFunction(Scorer):
+    name = "python_function"
+    version = "1"
+    description = "User reward function with TRL's signature fn(prompts, completions, **columns)."
+    Params = PythonFunctionParams
+    params: PythonFunctionParams
+
+    def __init__(self, params: PythonFunctionParams) -> None:
+        super().__init__(params)
+        self._fn = load_function(params.function)
+        self._accepts = _accepted_keywords(self._fn)
+
+    def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
+        kwargs = {**build_columns(items), **self.params.kwargs}
+        if self._accepts is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self._accepts}
+        prompts = [item.prompt for item in items]
+        values = list(self._fn(prompts, [item.completion for item in items], **kwargs))
+        if len(values) != len(items):
+            message = f"{self.params.function} returned {len(values)} rewards for {len(items)} items"
+            return [ScoreResult.error(message)] * len(items)
+        return [self._result(value) for value in values]
+
+    def _result(self, value: Any) -> ScoreResult:
+        if value is None:
+            return ScoreResult.error(f"{self.params.function} returned None for this item")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return ScoreResult.error(f"{self.params.function} returned a non-finite or non-number: {value!r}")
+        return ScoreResult.ok(float(value))

@@ -1,0 +1,160 @@
+"""The reward service's domain: validate a scorer spec, score a batch within a deadline, count it.
+
+No gRPC here: `rlfabric.reward.server` adapts this to the RewardService contract and the CLI uses it
+in-process. Cheap scorers (`inline_scorers`: string compares, regexes, length arithmetic) run on a thread
+of this process, because for them a process hop would cost more than the scoring; every other scorer
+runs in the `ScorerPool` of worker processes so a slow or hung item never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from rlfabric.common.runspec import RewardSpec
+from rlfabric.reward.pool import ScorerPool
+from rlfabric.reward.scorers import SCORERS, ScoreInput, Scorer, ScoreResult, arun_scorer, build_scorer
+
+# Built scorers kept for reuse, keyed by spec; a reward model held here is loaded once.
+SCORER_CACHE_SIZE = 32
+
+_ITEMS = Counter("rlfabric_reward_items_total", "Items scored, by scorer and status", ["scorer", "status"])
+_BATCHES = Counter("rlfabric_reward_batches_total", "Score batches, by scorer", ["scorer"])
+_BATCH_SECONDS = Histogram(
+    "rlfabric_reward_batch_seconds",
+    "Wall time of a Score batch, by scorer",
+    ["scorer"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """Which scorer to run, with its parameters (a composite is name "composite" with its parts)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return json.dumps({"name": self.name, "params": self.params}, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ScoredItem:
+    """A result with its provenance. `latency_s` is the wall time of the batch the item was part of."""
+
+    result: ScoreResult
+    scorer_name: str
+    scorer_version: str
+    latency_s: float
+
+
+def spec_from_reward_spec(reward: RewardSpec) -> ScorerSpec:
+    """The scorer spec of a run file's `[reward]` section (the one schema for specs in files)."""
+    if reward.scorer != "composite":
+        return ScorerSpec(reward.scorer, dict(reward.params))
+    parts = [
+        {"alias": p.alias or p.scorer, "scorer": p.scorer, "weight": p.weight, "params": dict(p.params)}
+        for p in reward.parts
+    ]
+    return ScorerSpec("composite", {"parts": parts})
+
+
+def scorer_version(spec: ScorerSpec) -> str:
+    """ "name@version", and for a composite its parts' too, e.g. "composite@1[ok=math_verify@1]"."""
+    own = f"{spec.name}@{SCORERS[spec.name].version}"
+    if spec.name != "composite":
+        return own
+    parts = [f"{p['alias']}={p['scorer']}@{SCORERS[p['scorer']].version}" for p in spec.params["parts"]]
+    return f"{own}[{','.join(parts)}]"
+
+
+class RewardEngine:
+    """Scores batches for the server and the CLI. Call `start()` inside the event loop first."""
+
+    def __init__(self, *, workers: int, item_timeout_s: float, inline: Sequence[str]) -> None:
+        self.item_timeout_s = item_timeout_s
+        self.inline = frozenset(inline)
+        self.pool = ScorerPool(workers)
+        self._scorers: OrderedDict[str, Scorer] = OrderedDict()
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        for scorer in self._scorers.values():
+            scorer.close()
+
+    def resolve(self, spec: ScorerSpec) -> Scorer:
+        """The built scorer for `spec`; raises `InvalidScorerSpec` naming the bad field."""
+        scorer = self._scorers.pop(spec.key, None) or build_scorer(spec.name, spec.params)
+        self._scorers[spec.key] = scorer
+        while len(self._scorers) > SCORER_CACHE_SIZE:
+            self._scorers.popitem(last=False)[1].close()
+        return scorer
+
+    def runs_inline(self, spec: ScorerSpec) -> bool:
+        if spec.name == "composite":
+            return all(part["scorer"] in self.inline for part in spec.params["parts"])
+        return spec.name in self.inline
+
+    async def score(
+        self,
+        spec: ScorerSpec,
+        items: Sequence[ScoreInput],
+        *,
+        timeout_s: float,
+        item_timeout_s: float | None = None,
+    ) -> list[ScoredItem]:
+        """One result per item, in order, within `timeout_s`. Raises `InvalidScorerSpec` for a bad spec;
+        every scorer fault is an item status, never an exception."""
+        scorer = self.resolve(spec)
+        per_item = item_timeout_s or self.item_timeout_s
+        start = time.perf_counter()
+        if self.runs_inline(spec):
+            results = await arun_scorer(scorer, items, timeout_s, item_timeout_s=per_item)
+        else:
+            payload = [asdict(item) for item in items]
+            results = await self.pool.score(
+                {"name": spec.name, "params": spec.params},
+                payload,
+                timeout_s=timeout_s,
+                item_timeout_s=per_item,
+            )
+        latency = time.perf_counter() - start
+        record(spec.name, results, latency)
+        version = scorer_version(spec)
+        return [ScoredItem(r, spec.name, version, latency) for r in results]
+
+
+def record(scorer: str, results: Sequence[ScoreResult], seconds: float) -> None:
+    _BATCHES.labels(scorer).inc()
+    _BATCH_SECONDS.labels(scorer).observe(seconds)
+    for status in ("ok", "scorer_error", "timeout"):
+        count = sum(1 for r in results if r.status == status)
+        if count:
+            _ITEMS.labels(scorer, status).inc(count)
+
+
+async def score_all(
+    engine: RewardEngine, spec: ScorerSpec, items: Sequence[ScoreInput], *, batch_size: int, timeout_s: float
+) -> list[ScoredItem]:
+    """Scores a long list in batches, `engine.pool.size` batches at a time (for the CLI)."""
+    batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    gate = asyncio.Semaphore(max(engine.pool.size, 1))
+
+    async def one(batch: Sequence[ScoreInput]) -> list[ScoredItem]:
+        async with gate:
+            return await engine.score(spec, batch, timeout_s=timeout_s)
+
+    parts = await asyncio.gather(*(one(b) for b in batches))
+    return [item for part in parts for item in part]
