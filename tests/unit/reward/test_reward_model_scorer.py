@@ -89,7 +89,7 @@ def test_running_moments():
     assert moments.std == pytest.approx(math.sqrt(5 / 3))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu  # deselected by default; run with `pytest -m gpu` on a CUDA machine
 def test_cuda_device_matches_cpu(model_dir, item):
     cpu = run_scorer(build_scorer("reward_model", {"path": str(model_dir)}), items(item))
     gpu = run_scorer(build_scorer("reward_model", {"path": str(model_dir), "device": "cuda"}), items(item))
