@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
             "--set", "server.metrics_port=0", "--set", "log.format=text",
         ],
         log_path=logs / "reward.log",
+        env={**os.environ, "RLFABRIC_TEST_SECRET": "s3cret"},
     )  # fmt: skip
     metrics = proc.start(r"metrics on (http://\S+)", timeout_s=60).group(1)
     address = proc.wait_for(r"listening on (\S+)", timeout_s=60).group(1)
@@ -230,16 +232,43 @@ def test_cancelled_call_cancels_its_work(client: RewardClient, server: dict[str,
     assert_next_call_is_prompt(client)
 
 
-def test_sandboxed_infinite_loop_is_a_timeout_status_not_a_reward(client: RewardClient) -> None:
-    tests = [{"input": "", "output": "1\n"}]
+ATTACKS = {
+    "infinite-loop": "while True:\n    pass",
+    "fork-bomb": "import os\nwhile True:\n    os.fork()",
+    "memory-bomb": "x = []\nwhile True:\n    x.append(bytearray(50 << 20))",
+    "socket": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('pwned')",
+    "write-outside": "open({outside!r}, 'w').write('x')\nprint('pwned')",
+    "read-secret": "import os\nprint(os.environ.get('RLFABRIC_TEST_SECRET', 'none'))",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_sandbox_contains_attacks_through_the_service(
+    client: RewardClient, server: dict[str, str], tmp_path: Path, attack: str
+) -> None:
+    """Each hostile program ends without a passing reward, its effect does not reach the host, and the
+    service keeps serving. A program that fails its tests scores 0 with status OK: that is the signal
+    that teaches the policy not to write it (a SCORER_ERROR would drop the sample instead)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    outside = tmp_path / "written-from-sandbox"
+    code = ATTACKS[attack].format(port=listener.getsockname()[1], outside=str(outside))
+    tests = [{"input": "", "output": "pwned\n" if attack != "read-secret" else "s3cret\n"}]
     [result] = client.score(
-        [item(0, "```python\nwhile True:\n    pass\n```", tests=tests)],
+        [item(0, f"```python\n{code}\n```", tests=tests)],
         "code_exec",
-        {"wall_s": 2.0, "cpu_s": 1},
-        item_timeout_s=10,
+        {"wall_s": 3.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 16},
+        item_timeout_s=30,
     )
-    assert result.status != "ok" or result.reward == 0.0
+    assert (result.status == "ok" and result.reward == 0.0) or result.status != "ok", result
     assert result.components.get("passed", 0.0) == 0.0
+    assert not outside.exists()
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    listener.close()
+    assert_serving(server["address"])
 
 
 def test_reflection_alone_is_enough_to_call_the_service(server: dict[str, str]) -> None:
