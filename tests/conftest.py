@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,45 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for servers that cannot bind port 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on loopback, as production runs it (AOF on, noeviction); yields its URL.
+
+    Session-scoped: tests isolate themselves by key prefix (use a fresh run id) or with `redis_url`."""
+    from rlfabric.common.procs import ServiceProcess
+
+    data = tmp_path_factory.mktemp("redis")
+    port = free_port()
+    proc = ServiceProcess(
+        "redis",
+        [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+            "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", "",
+        ],
+        log_path=data / "redis.log",
+    )  # fmt: skip
+    proc.start(r"Ready to accept connections", timeout_s=30)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    """The session's Redis, flushed after the test."""
+    import redis
+
+    yield redis_server
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
