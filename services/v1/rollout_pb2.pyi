@@ -94,10 +94,10 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., object_store: _Optional[_Union[ObjectStoreSource, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastSource, _Mapping]] = ..., abort_in_flight: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ObjectStoreSource(_message.Message):
-    __slots__ = ("url",)
-    URL_FIELD_NUMBER: _ClassVar[int]
-    url: str
-    def __init__(self, url: _Optional[str] = ...) -> None: ...
+    __slots__ = ("root_url",)
+    ROOT_URL_FIELD_NUMBER: _ClassVar[int]
+    root_url: str
+    def __init__(self, root_url: _Optional[str] = ...) -> None: ...
 
 class BroadcastSource(_message.Message):
     __slots__ = ("master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes")
