@@ -1,0 +1,202 @@
+"""The Redis stream of scored groups: key names, the consumer group, and the producer side.
+
+The coordinator appends each `ScoredGroup` (protobuf bytes, never pickle) to `rlfabric:{run}:groups`;
+the learner reads it through the consumer group "learner" (`rlfabric.learner.queue`). Delivery is
+at-least-once; the learner turns it into exactly-once training with its ledger of applied group ids.
+
+Invariants this module keeps:
+- Unconsumed entries are never trimmed. `append` applies backpressure instead of XADD MAXLEN: it waits
+  while the group's lag (entries appended but not yet delivered to any consumer) is at least `max_len`.
+  One producer object never overshoots (its appends are serialised); several producers sharing a run can
+  overshoot by at most one entry each, since check and XADD are two commands.
+- `trim_acknowledged` removes only entries below both the oldest pending id and the first undelivered id,
+  i.e. entries every consumer has acknowledged.
+- The consumer group is created at id 0, so entries appended before the learner starts are delivered.
+
+Importable without torch: the coordinator uses it. The Redis client must be a `redis.asyncio.Redis` made
+with `decode_responses=False` (payloads are bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from rlfabric.v1.queue_pb2 import ScoredGroup
+
+CONSUMER_GROUP = "learner"
+"""The one consumer group on a run's stream: the learner ranks that read it."""
+
+DATA_FIELD = b"data"
+"""Entry field holding `ScoredGroup.SerializeToString()`."""
+
+GROUP_ID_FIELD = b"group_id"
+"""Entry field repeating the group id as text, for inspection with redis-cli."""
+
+
+def groups_key(run_id: str) -> str:
+    """The stream of a run's scored groups."""
+    _check_run_id(run_id)
+    return f"rlfabric:{run_id}:groups"
+
+
+def dead_letter_key(run_id: str) -> str:
+    """The dead-letter stream: entries the learner refused, with the error and the original payload."""
+    _check_run_id(run_id)
+    return f"rlfabric:{run_id}:groups:dead"
+
+
+def _check_run_id(run_id: str) -> None:
+    if not run_id or any(c.isspace() for c in run_id):
+        raise ValueError(f"run id must be non-empty without whitespace, got {run_id!r}")
+
+
+def require_bytes_client(redis: aioredis.Redis) -> None:
+    """Raises ValueError for a client that decodes responses: stream payloads are binary protobuf."""
+    if redis.connection_pool.connection_kwargs.get("decode_responses"):
+        raise ValueError("the Redis client must be created with decode_responses=False")
+
+
+def as_str(value: bytes | str) -> str:
+    """A Redis reply value (bytes with a bytes client) as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def encode_entry(group: ScoredGroup) -> dict[bytes, bytes]:
+    """The stream entry fields of `group`: the protobuf bytes and the group id."""
+    if not group.group_id:
+        raise ValueError("a ScoredGroup without group_id cannot be enqueued (it is the idempotency key)")
+    return {DATA_FIELD: group.SerializeToString(), GROUP_ID_FIELD: group.group_id.encode()}
+
+
+async def ensure_consumer_group(redis: aioredis.Redis, run_id: str) -> bool:
+    """Creates the stream and its consumer group at id 0 unless they exist; True if it created them."""
+    try:
+        await redis.xgroup_create(groups_key(run_id), CONSUMER_GROUP, id="0", mkstream=True)
+    except ResponseError as error:
+        if "BUSYGROUP" not in str(error):
+            raise
+        return False
+    return True
+
+
+async def group_info(redis: aioredis.Redis, run_id: str) -> dict[str, Any]:
+    """XINFO GROUPS for the learner group (keys: pending, last-delivered-id, entries-read, lag, ...)."""
+    for info in await redis.xinfo_groups(groups_key(run_id)):
+        if as_str(info["name"]) == CONSUMER_GROUP:
+            return dict(info)
+    raise LookupError(f"consumer group {CONSUMER_GROUP!r} missing on {groups_key(run_id)}")
+
+
+async def undelivered(redis: aioredis.Redis, run_id: str, *, cap: int) -> int:
+    """Entries not yet delivered to the learner group (its lag), counted exactly up to `cap`.
+
+    Redis reports `lag` as nil when it cannot compute it (e.g. after XDEL); then the entries after the
+    group's last-delivered id are counted with a range bounded by `cap`, so the answer is min(lag, cap).
+    """
+    info = await group_info(redis, run_id)
+    if info.get("lag") is not None:
+        return min(int(info["lag"]), cap)
+    start = "(" + as_str(info["last-delivered-id"])
+    entries = await redis.xrange(groups_key(run_id), min=start, max="+", count=cap)
+    return len(entries or [])
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream id "ms-seq" as a comparable tuple."""
+    ms, _, seq = as_str(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(parts: tuple[int, int]) -> str:
+    return f"{parts[0]}-{parts[1]}"
+
+
+async def trim_floor(redis: aioredis.Redis, run_id: str) -> str:
+    """The lowest id that must be kept: min(oldest pending id, first id after the last-delivered one).
+
+    Every entry below it was delivered and acknowledged. Safe against concurrent consumers: new pending
+    entries only ever have ids above the last-delivered id read here, so the floor can only rise.
+    """
+    info = await group_info(redis, run_id)
+    last = parse_id(info["last-delivered-id"])
+    floor = (last[0], last[1] + 1)
+    if int(info["pending"]) > 0:
+        summary = await redis.xpending(groups_key(run_id), CONSUMER_GROUP)
+        if summary["min"] is not None:
+            floor = min(floor, parse_id(summary["min"]))
+    return format_id(floor)
+
+
+async def trim_acknowledged(redis: aioredis.Redis, run_id: str) -> int:
+    """Deletes acknowledged entries (those below `trim_floor`); returns how many were removed."""
+    floor = await trim_floor(redis, run_id)
+    return int(await redis.xtrim(groups_key(run_id), minid=floor, approximate=False))
+
+
+class BackpressureTimeout(TimeoutError):
+    """The learner's backlog stayed at `max_len` for the whole append timeout; nothing was appended."""
+
+
+class GroupProducer:
+    """Appends scored groups to a run's stream, waiting while the learner's backlog is full.
+
+    Invariant: an append happens only when fewer than `max_len` entries are undelivered; the stream is
+    never trimmed by length, so nothing unconsumed is lost.
+    """
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, max_len: int, *, poll_s: float = 0.05) -> None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        require_bytes_client(redis)
+        self.redis = redis
+        self.run_id = run_id
+        self.key = groups_key(run_id)
+        self.max_len = max_len
+        self.poll_s = poll_s
+        self.waits = 0
+        """Appends that had to wait for room (a backpressure counter for metrics)."""
+        self._lock = asyncio.Lock()
+        self._group_ready = False
+
+    async def append(self, group: ScoredGroup, *, timeout_s: float | None = 30.0) -> str:
+        """Appends `group` once the backlog has room; returns the entry id.
+
+        Raises BackpressureTimeout if there is no room within `timeout_s` (None waits forever).
+        """
+        fields = encode_entry(group)
+        async with self._lock:
+            await self._wait_for_room(timeout_s)
+            entry_id = await self.redis.xadd(self.key, fields)  # type: ignore[arg-type]
+        return as_str(entry_id)
+
+    async def backlog(self) -> int:
+        """Entries appended but not yet delivered to the learner, counted up to `max_len`."""
+        await self._ensure_group()
+        return await undelivered(self.redis, self.run_id, cap=self.max_len)
+
+    async def trim_acknowledged(self) -> int:
+        """Deletes entries the learner has acknowledged; returns how many (see `trim_floor`)."""
+        await self._ensure_group()
+        return await trim_acknowledged(self.redis, self.run_id)
+
+    async def _wait_for_room(self, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waited = False
+        while await self.backlog() >= self.max_len:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise BackpressureTimeout(
+                    f"{self.key}: {self.max_len} groups undelivered for {timeout_s} s; is the learner up?"
+                )
+            waited = True
+            await asyncio.sleep(self.poll_s)
+        self.waits += waited
+
+    async def _ensure_group(self) -> None:
+        if not self._group_ready:
+            await ensure_consumer_group(self.redis, self.run_id)
+            self._group_ready = True
