@@ -27,6 +27,8 @@ class ServiceEntry:
     """Module with `serve(config) -> int`."""
     host_key: str
     port_key: str
+    flags: tuple[tuple[str, str, str], ...] = ()
+    """Extra (flag, config key, help) shortcuts, e.g. ("--model", "engine.model", ...)."""
 
     @property
     def env_prefix(self) -> str:
@@ -51,6 +53,10 @@ SERVICES: dict[str, ServiceEntry] = {
         "rlfabric.rollout.main",
         "server.host",
         "server.port",
+        flags=(
+            ("--model", "engine.model", "model folder (or hub id) to serve as version 0"),
+            ("--engine", "engine.kind", "vllm (default) or transformers (the reference engine)"),
+        ),
     ),
     "reward": ServiceEntry(
         "the batch scorer behind the RewardService gRPC API",
@@ -105,6 +111,8 @@ def add_serve(sub: Any) -> None:
         )
         p.add_argument("--host", help=f"address to bind (sets {entry.host_key})")
         p.add_argument("--port", type=int, help=f"port to bind, 0 for any free one (sets {entry.port_key})")
+        for flag, key, text in entry.flags:
+            p.add_argument(flag, dest=key, help=f"{text} (sets {key})")
         p.add_argument(
             "--print-config", action="store_true", help="print the effective configuration as JSON and exit"
         )
@@ -155,7 +163,11 @@ def run_serve(args: argparse.Namespace) -> int:
         overrides=args.overrides,
         env_prefix=entry.env_prefix,
         environ=os.environ,
-        explicit={entry.host_key: args.host, entry.port_key: args.port},
+        explicit={
+            entry.host_key: args.host,
+            entry.port_key: args.port,
+            **{key: getattr(args, key) for _, key, _ in entry.flags},
+        },
     )
     if args.print_config:
         print(config.model_dump_json(indent=2))

@@ -44,6 +44,15 @@ class RolloutServiceConfig(StrictModel):
     """Stable id of this replica; defaults to <hostname>-<port>."""
     max_in_flight: int = Field(default=256, ge=1)
     """Admitted prompts not yet finished; Generate past it gets RESOURCE_EXHAUSTED."""
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    """Prompts one Generate request may carry."""
+    max_n: int = Field(default=64, ge=1)
+    """Largest `sampling.n` accepted."""
+    max_tokens: int = Field(default=4096, ge=1)
+    """Largest `sampling.max_tokens` accepted (also bounded by the model's context)."""
+    weights_root: str | None = None
+    """fsspec URL of the run's published weights; at start the replica loads the latest committed
+    version there (else it serves the base model as version 0), and object-store updates default to it."""
     run_id: str | None = None
     """Run whose registry and weights this replica follows; None serves the base model only."""
     redis: RedisConfig | None = None

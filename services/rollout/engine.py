@@ -1,0 +1,239 @@
+"""The generation engine behind a rollout replica: its interface, data types and shared helpers.
+
+Two implementations share this interface: `VllmEngine` (production, `vllm_engine.py`) and `HfEngine` (a
+small reference on plain transformers, `hf_engine.py`). The gRPC servicer only ever sees `Engine`.
+
+Invariants every engine keeps:
+- `generate` yields each `(prompt_index, sample_index)` of a request exactly once, as soon as that sample
+  finishes; `abort(request_id)` ends the unfinished ones early, yielded with `finish_reason="abort"`;
+  closing or cancelling the iterator instead aborts them without yielding them.
+- `EngineSample.logprobs[i]` is the log-probability of `token_ids[i]` under the serving weights, in the
+  engine's `logprobs_mode`: `"processed"` (default) is the distribution actually sampled from (after
+  temperature, top-k and top-p; the right one for importance ratios), `"raw"` is the model's own softmax
+  (temperature 1, no truncation). The two agree when temperature is 1 and top-k/top-p are off.
+- `load_weights_dir` is all-or-nothing: the folder's tensor names and shapes are checked against the base
+  checkpoint before the model is touched, so a refused folder leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+LogprobsMode = Literal["processed", "raw"]
+
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""safetensors dtype codes a weights folder may use (the engine casts them to its own dtype)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample each prompt. `top_k <= 0` and `top_p == 1.0` switch those filters off;
+    `temperature == 0` is greedy. With `seed` set, sample k of a request (k = prompt_index * n +
+    sample_index) uses seed + k, so results are reproducible on one engine."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (fixed-length samples for benchmarks and tests)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_tokens < 1:
+            raise ValueError(f"n ({self.n}) and max_tokens ({self.max_tokens}) must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature {self.temperature} must be >= 0, top_p {self.top_p} in (0, 1]")
+
+    def sample_seed(self, prompt_index: int, sample_index: int) -> int | None:
+        """The seed of one sample, or None when the request is unseeded."""
+        if self.seed is None:
+            return None
+        return self.seed + prompt_index * self.n + sample_index
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One finished (or aborted) completion. `token_ids` and `logprobs` align one to one; `token_ids`
+    includes a final end-of-sequence token when the sample stopped on one. Times are seconds since the
+    request was submitted to the engine."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine: sequences scheduled and queued, KV cache fill (0..1), and tokens
+    generated since start (aborted work included)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    tokens_generated: int
+
+
+class WeightsRejected(ValueError):
+    """A weights folder that does not match the model; nothing was loaded."""
+
+
+class Engine(abc.ABC):
+    """A generation engine owned by one event loop. See the module docstring for the invariants."""
+
+    kind: str
+    max_model_len: int
+    vocab_size: int
+    """Size of the model's vocabulary: valid token ids are 0 .. vocab_size - 1."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; the engine serves once this returns."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Abort all work and release the engine (idempotent)."""
+
+    @abc.abstractmethod
+    def tokenize_text(self, text: str) -> list[int]:
+        """Token ids of raw text, without special tokens or a template."""
+
+    @abc.abstractmethod
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ending with the generation prompt."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
+    ) -> AsyncIterator[EngineSample]:
+        """Sample `sampling.n` completions of each prompt; yield each as soon as it finishes."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """End a request's unfinished samples now (they are yielded with finish_reason "abort")."""
+
+    @abc.abstractmethod
+    async def load_weights_dir(self, path: str) -> None:
+        """Replace the weights in place from a folder of safetensors files in the base checkpoint's
+        naming, then reset the prefix cache. Raises `WeightsRejected` (old weights keep serving)."""
+
+    @abc.abstractmethod
+    async def receive_broadcast(self, source: Any) -> None:
+        """Join the learner's torch.distributed broadcast described by `source` (an
+        `rlfabric.v1.rollout_pb2.BroadcastSource`), receive every tensor, then load them in place and
+        reset the prefix cache. Names and shapes are checked before anything is received; a transfer that
+        fails or times out raises before the model is touched."""
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prompt prefixes (they were computed with older weights)."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """The current snapshot; cheap, never blocks."""
+
+
+class ChatTokenizer:
+    """The model's own tokenizer, used identically by every engine so their token ids agree."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(model_path)
+
+    def text(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.text(str(rendered))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=True))
+
+
+def model_vocab_size(model: str) -> int:
+    """`vocab_size` from the model folder's config.json (no weights loaded)."""
+    return int(json.loads((resolve_model_dir(model) / "config.json").read_text())["vocab_size"])
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The local folder holding `model`: the path itself, or its snapshot in the hub cache (offline)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one safetensors file (name -> {dtype, shape, data_offsets}), read without
+    loading any tensor data; checks that the data the header describes fits in the file."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    data_bytes = path.stat().st_size - 8 - size
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if end > data_bytes:
+        raise WeightsRejected(f"{path.name}: truncated ({data_bytes} data bytes, header needs {end})")
+    return header
+
+
+def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over all `*.safetensors` files in `folder`; dtypes must be floating point."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise WeightsRejected(f"{folder}: no .safetensors files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        for name, entry in safetensors_header(file).items():
+            if entry["dtype"] not in FLOAT_DTYPES:
+                raise WeightsRejected(f"{file.name}: {name} has dtype {entry['dtype']}, not floating point")
+            if name in shapes:
+                raise WeightsRejected(f"{name} appears in more than one file")
+            shapes[name] = tuple(entry["shape"])
+    return shapes
+
+
+def check_weights_dir(folder: str | Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise `WeightsRejected` unless `folder` holds exactly the tensors of `expected`, shape for shape."""
+    found = checkpoint_shapes(folder)
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    wrong = sorted(n for n in expected.keys() & found.keys() if expected[n] != found[n])
+    problems = [
+        f"missing {missing[:5]}" if missing else "",
+        f"unexpected {unexpected[:5]}" if unexpected else "",
+        ", ".join(f"{n}: {found[n]} != {expected[n]}" for n in wrong[:5]),
+    ]
+    if any(problems):
+        raise WeightsRejected(f"{folder}: " + "; ".join(p for p in problems if p))
+
+
+def read_weights_dir(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` file in `folder`, in host memory (name -> tensor)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

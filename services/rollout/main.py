@@ -1,0 +1,211 @@
+"""`rlfabric serve rollout`: one replica — an engine, its gRPC server, its registry entry, its metrics.
+
+Start-up order keeps the lifecycle guarantee: the gRPC server starts first with health NOT_SERVING (so
+probes and the registry can see the replica starting), then the engine loads, then the latest committed
+version of the run (or the base model as version 0), and only then does health say SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Info
+
+from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
+from rlfabric.common.logs import setup_logging
+from rlfabric.common.metrics import start_metrics_server
+from rlfabric.common.registry import Heartbeat, ReplicaEntry
+from rlfabric.common.telemetry import setup_tracing
+from rlfabric.rollout.config import EngineConfig, RolloutServiceConfig
+from rlfabric.rollout.engine import Engine
+from rlfabric.rollout.replica import Limits, Replica
+from rlfabric.rollout.server import RolloutServicer
+from rlfabric.rollout.weights_source import WeightsSource
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = full_service_name(rollout_pb2, "RolloutService")
+
+_INFO = Info("rlfabric_rollout", "The replica's identity")
+_VERSION = Gauge("rlfabric_rollout_policy_version", "Policy version serving now (-1 before the first)")
+_IN_FLIGHT = Gauge("rlfabric_rollout_in_flight_prompts", "Admitted prompts not yet finished")
+_RUNNING = Gauge("rlfabric_rollout_engine_running", "Sequences the engine is generating")
+_WAITING = Gauge("rlfabric_rollout_engine_waiting", "Sequences waiting in the engine")
+_KV = Gauge("rlfabric_rollout_kv_cache_usage", "Fraction of the KV cache in use")
+_BUSY = Gauge("rlfabric_rollout_busy_fraction", "Fraction of time since start with work in the engine")
+_TOKENS = Counter("rlfabric_rollout_generated_tokens_total", "Completion tokens generated")
+_LOAD = Gauge("rlfabric_rollout_last_weight_load_seconds", "Duration of the last weight load")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """ "auto" is bfloat16 on a GPU and float32 on a CPU (vLLM's own "auto" downcasts float32 checkpoints
+    to bfloat16 on this CPU, which would make its logprobs disagree with the learner's float32 ones)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    dtype = resolve_dtype(config.dtype)
+    if config.kind == "transformers":
+        from rlfabric.rollout.hf_engine import HfEngine
+
+        return HfEngine(config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed)
+    from rlfabric.rollout.vllm_engine import VllmEngine
+
+    return VllmEngine(
+        config.model,
+        dtype=dtype,  # type: ignore[arg-type]
+        max_model_len=config.max_model_len,
+        kv_cache_bytes=config.kv_cache_bytes,
+        enforce_eager=config.enforce_eager,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        seed=config.seed,
+    )
+
+
+@dataclass
+class Parts:
+    """Everything one replica process runs, so start-up and shutdown read as a list of steps."""
+
+    config: RolloutServiceConfig
+    engine: Engine
+    replica: Replica
+    weights: WeightsSource
+    server: GrpcServer
+    replica_id: str = ""
+    address: str = ""
+    heartbeat: Heartbeat | None = None
+
+    def entry(self) -> ReplicaEntry:
+        return ReplicaEntry(
+            replica_id=self.replica_id,
+            address=self.address,
+            version=self.replica.version if self.replica.version is not None else -1,
+            serving=self.replica.serving,
+            in_flight=self.replica.in_flight,
+            capacity=self.replica.limits.max_in_flight,
+            model=self.config.engine.model,
+            engine=self.engine.kind,
+        )
+
+
+def assemble(config: RolloutServiceConfig) -> Parts:
+    engine = build_engine(config.engine)
+    limits = Limits(
+        max_in_flight=config.max_in_flight,
+        max_n=config.max_n,
+        max_tokens=config.max_tokens,
+        max_prompts=config.max_prompts_per_request,
+    )
+    replica = Replica(engine, limits)
+    weights = WeightsSource(engine, base_model_dir=config.engine.model, root_url=config.weights_root)
+    return Parts(config, engine, replica, weights, GrpcServer(options_from_config(config.server)))
+
+
+async def start_server(parts: Parts) -> None:
+    config = parts.config
+    port_holder: dict[str, Any] = {}
+
+    async def on_serving_change(serving: bool) -> None:
+        await parts.server.set_serving(SERVICE, serving)
+        await parts.server.set_serving("", serving)
+
+    servicer = RolloutServicer(
+        parts.replica,
+        parts.weights,
+        replica_id="(starting)",
+        address="",
+        model=config.engine.model,
+        learner_token=config.learner_token,
+        update_timeout_s=config.update_timeout_s,
+        on_serving_change=on_serving_change,
+    )
+    parts.server.add_servicer(
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE, serving=False
+    )
+    port_holder["port"] = await parts.server.start()
+    await parts.server.set_serving("", False)
+    parts.address = f"{config.server.host}:{port_holder['port']}"
+    parts.replica_id = config.replica_id or f"{socket.gethostname()}-{port_holder['port']}"
+    servicer.replica_id, servicer.address = parts.replica_id, parts.address
+    print(f"rlfabric rollout replica {parts.replica_id} listening on {parts.address}", flush=True)
+
+
+async def load_initial_weights(parts: Parts) -> None:
+    """The latest committed version of the run, else the base model as version 0."""
+    await parts.engine.start()
+    latest = await parts.weights.latest()
+    if latest:
+        path = await parts.weights.stage(parts.weights.root_url or "", latest)
+        await parts.engine.load_weights_dir(path)
+        await parts.engine.reset_prefix_cache()
+        parts.weights.serving_dir = path
+    parts.replica.start_serving(latest or 0, parts.weights.restore_loader())
+    await parts.server.set_serving(SERVICE, True)
+    await parts.server.set_serving("", True)
+    print(f"rlfabric rollout replica {parts.replica_id} serving version {latest or 0}", flush=True)
+
+
+async def start_heartbeat(parts: Parts) -> None:
+    if parts.config.redis is None:
+        return
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(
+        parts.config.redis.url, socket_timeout=parts.config.redis.socket_timeout_s
+    )
+    parts.heartbeat = Heartbeat(client, parts.config.run_id, parts.entry, parts.config.heartbeat_s)
+    await parts.heartbeat.start()
+
+
+async def export_metrics(parts: Parts) -> None:
+    _INFO.info({"model": parts.config.engine.model, "engine": parts.engine.kind, "replica": parts.replica_id})
+    counted = 0
+    while True:
+        stats = parts.engine.stats()
+        _VERSION.set(parts.replica.version if parts.replica.version is not None else -1)
+        _IN_FLIGHT.set(parts.replica.in_flight)
+        _RUNNING.set(stats.running)
+        _WAITING.set(stats.waiting)
+        _KV.set(stats.kv_cache_usage)
+        _BUSY.set(parts.replica.busy_fraction())
+        _LOAD.set(parts.replica.last_load_s)
+        _TOKENS.inc(parts.replica.tokens_generated - counted)
+        counted = parts.replica.tokens_generated
+        await asyncio.sleep(1.0)
+
+
+async def run(config: RolloutServiceConfig) -> None:
+    parts = assemble(config)
+    await start_server(parts)
+    parts.server.install_signal_handlers()
+    metrics = asyncio.get_running_loop().create_task(export_metrics(parts))
+    try:
+        await load_initial_weights(parts)
+        await start_heartbeat(parts)
+        await parts.server.wait_for_termination()
+    finally:
+        metrics.cancel()
+        if parts.heartbeat is not None:
+            with contextlib.suppress(Exception):
+                await parts.heartbeat.stop()
+        await parts.engine.close()
+        parts.weights.close()
+
+
+def serve(config: RolloutServiceConfig) -> int:
+    setup_logging("rollout", config.log.level, config.log.format)
+    setup_tracing("rlfabric-rollout")
+    if config.server.metrics_port is not None:
+        port = start_metrics_server(config.server.host, config.server.metrics_port)
+        print(f"rlfabric rollout metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    asyncio.run(run(config))
+    return 0

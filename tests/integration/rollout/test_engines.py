@@ -1,0 +1,188 @@
+"""Both rollout engines (real vLLM on CPU, and the transformers reference) pass the same behavioural
+scenarios: per-sample streaming, logprobs equal to a forward pass of the serving weights, all-or-nothing
+weight loads, cancel and abort. One engine per kind runs every scenario (`_engine_scenarios.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _engine_scenarios import LONG, SAMPLED, TEMPERED, build_engine, run_scenarios
+from safetensors.torch import load_file, save_file
+
+from rlfabric.common.tiny_model import EOS, IM_END, make_tiny_model, special_ids
+from rlfabric.rollout.engine import SamplingSettings
+
+HELPER = Path(__file__).with_name("_engine_scenarios.py")
+STOP_IDS = (special_ids()[EOS], special_ids()[IM_END])
+KINDS = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Weight folders: `new` (same shapes, other seed: a full model folder), `wrong_shape` (one tensor
+    resized) and `missing` (one tensor left out) derived from the base checkpoint."""
+    root = tmp_path_factory.mktemp("weights")
+    base = load_file(tiny_model_dir / "model.safetensors")
+    wrong = {**base, "model.norm.weight": torch.ones(base["model.norm.weight"].shape[0] // 2)}
+    missing = {k: v for k, v in base.items() if k != "model.layers.1.mlp.down_proj.weight"}
+    folders = {"wrong_shape": wrong, "missing": missing}
+    for name, tensors in folders.items():
+        (root / name).mkdir()
+        save_file(tensors, root / name / "model.safetensors")
+    return {"new": make_tiny_model(root / "new", seed=1), **{n: root / n for n in folders}}
+
+
+def run_vllm(model: Path, weights: dict[str, Path], env: dict[str, str], out: Path) -> dict[str, Any]:
+    """The scenarios in a subprocess with vLLM's environment; its report.
+
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the CPU worker inside vLLM's engine-core process (the
+    engine core itself stays a separate process under AsyncLLM): one process spawn fewer, engine start
+    ~3x faster here; same AsyncLLM, collective_rpc and reload path as the default multiprocess executor."""
+    env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    flags = [f"--{name.replace('_', '-')}={path}" for name, path in weights.items()]
+    command = [sys.executable, str(HELPER), "vllm", str(model), *flags, f"--out={out}"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def report(request: pytest.FixtureRequest, tiny_model_dir: Path, weights: dict[str, Path], tmp_path_factory):
+    """One engine of each kind through every scenario."""
+    if request.param == "vllm":
+        env = request.getfixturevalue("vllm_env")
+        out = tmp_path_factory.mktemp("vllm-report") / "report.json"
+        return run_vllm(tiny_model_dir, weights, env, out)
+    engine = build_engine("transformers", str(tiny_model_dir))
+    return asyncio.run(run_scenarios(engine, {k: str(v) for k, v in weights.items()}))
+
+
+def forward_logprobs(
+    model_dir: Path, prompt: list[int], tokens: list[int], sampling: SamplingSettings = SAMPLED
+) -> list[float]:
+    """log p(tokens[i] | prompt + tokens[:i]) from one transformers forward pass (float32), under the
+    distribution `sampling` draws from: logits / temperature, then top-k, then top-p (vLLM's rules)."""
+    model = _model(model_dir)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (T, vocab)
+    logits = truncate(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    chosen = logits.log_softmax(-1).gather(-1, torch.tensor(tokens).unsqueeze(-1))
+    return chosen.squeeze(-1).tolist()
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits (T, vocab) with tokens outside the top k, then outside the top-p nucleus, set to -inf."""
+    if top_k > 0:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+_MODELS: dict[Path, Any] = {}
+
+
+def _model(model_dir: Path) -> Any:
+    """The transformers model of a folder, loaded once per test session."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _MODELS:
+        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _MODELS[model_dir]
+
+
+def max_logprob_error(
+    samples: list[dict[str, Any]], model_dir: Path, sampling: SamplingSettings = SAMPLED
+) -> float:
+    """Largest |engine logprob - forward-pass logprob| over every token of every sample."""
+    errors = [0.0]
+    for s in samples:
+        reference = forward_logprobs(model_dir, s["prompt_token_ids"], s["token_ids"], sampling)
+        errors += [abs(a - b) for a, b in zip(s["logprobs"], reference, strict=True)]
+    return max(errors)
+
+
+def test_streams_every_sample_once(report: dict[str, Any]) -> None:
+    samples = report["base"]
+    keys = [(s["prompt_index"], s["sample_index"]) for s in samples]
+    prompts = report["prompts"]
+    assert sorted(keys) == [(p, s) for p in range(len(prompts)) for s in range(SAMPLED.n)]
+    for s in samples:
+        assert s["prompt_token_ids"] == prompts[s["prompt_index"]]
+        assert 1 <= len(s["token_ids"]) == len(s["logprobs"]) <= SAMPLED.max_tokens
+        assert s["finish_reason"] in ("stop", "length")
+        if s["finish_reason"] == "length":
+            assert len(s["token_ids"]) == SAMPLED.max_tokens
+        else:  # no stop strings: stopped on an end-of-sequence token, kept as the last token
+            assert s["token_ids"][-1] in STOP_IDS
+        assert 0 < s["first_token_s"] <= s["total_s"]
+        assert all(lp <= 0 for lp in s["logprobs"])
+
+
+def test_logprobs_match_forward_pass(report: dict[str, Any], tiny_model_dir: Path) -> None:
+    assert max_logprob_error(report["base"], tiny_model_dir) <= 1e-4
+
+
+def test_new_weights_serve_after_load(report: dict[str, Any], weights: dict[str, Path]) -> None:
+    assert report["new_error"] is None
+    assert max_logprob_error(report["new"], weights["new"]) <= 1e-4
+    assert [s["token_ids"] for s in report["new"]] != [s["token_ids"] for s in report["base"]]
+
+
+def test_logprobs_are_those_of_the_sampling_distribution(
+    report: dict[str, Any], weights: dict[str, Path]
+) -> None:
+    """ "processed" logprobs (the default) follow temperature, top-k and top-p, and are never -inf."""
+    assert max_logprob_error(report["tempered"], weights["new"], TEMPERED) <= 1e-4
+
+
+def test_mismatched_weights_are_refused_and_old_weights_serve(
+    report: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    rejected = report["rejected"]
+    assert (
+        rejected["wrong_shape"].startswith("WeightsRejected")
+        and "model.norm.weight" in rejected["wrong_shape"]
+    )
+    assert rejected["missing"].startswith("WeightsRejected") and "down_proj" in rejected["missing"]
+    assert max_logprob_error(report["after_rejected"], tiny_model_dir) <= 1e-4
+
+
+def test_cancel_stops_engine_work(report: dict[str, Any]) -> None:
+    cancel = report["cancel"]
+    assert cancel["yielded"] < 3 * LONG.n
+    assert cancel["tokens_after_stop"] == 0
+    assert cancel["stats"]["running"] == cancel["stats"]["waiting"] == 0
+
+
+def test_abort_ends_every_sample(report: dict[str, Any]) -> None:
+    abort = report["abort"]
+    samples = abort["samples"]
+    keys = sorted((s["prompt_index"], s["sample_index"]) for s in samples)
+    assert keys == [(p, s) for p in range(3) for s in range(LONG.n)]
+    assert {s["finish_reason"] for s in samples} == {"abort"}
+    assert all(len(s["token_ids"]) == len(s["logprobs"]) < LONG.max_tokens for s in samples)
+    assert abort["tokens_after_stop"] == 0
+    assert abort["stats"]["running"] == 0
+
+
+def test_timings(report: dict[str, Any], record_property: Any) -> None:
+    """Start time, reload time and throughput, recorded in the JUnit properties for the report."""
+    bench = report["throughput"]
+    for key in ("start_s", "reload_s"):
+        record_property(f"{report['kind']}_{key}", round(report[key], 3))
+    record_property(f"{report['kind']}_tokens_per_s", round(bench["tokens_per_s"]))
+    print(f"{report['kind']}: start {report['start_s']:.1f} s, reload {report['reload_s']:.3f} s, {bench}")
+    assert bench["tokens"] == 4 * 3 * 4 * 64
