@@ -23,9 +23,13 @@ class LearnerServiceConfig(StrictModel):
     run: RunSpec
     """The run spec (the same file the coordinator was given)."""
     consumer_name: str | None = None
-    """Consumer name in the stream's consumer group; defaults to <hostname>-<pid>."""
+    """Consumer name in the stream's consumer group; defaults to learner-<hostname>. Keep it stable across
+    restarts: a restarted learner first re-reads the entries it had not acknowledged."""
     max_deliveries: int = Field(default=3, ge=1)
     """An entry delivered this many times without being applied goes to the dead-letter stream."""
+    claim_idle_ms: int = Field(default=600_000, ge=1000)
+    """Pending entries idle this long are reclaimed from a dead consumer (XAUTOCLAIM). Must exceed the
+    longest time an entry legitimately stays unacknowledged: checkpoint_every steps plus a checkpoint."""
     rollout_addresses: list[str] = Field(default_factory=list)
     """Replicas to notify of new versions directly (the coordinator does it when empty)."""
     publish_token: str | None = None

@@ -1,0 +1,246 @@
+"""Scored groups as the learner receives them, and the padded tensors it trains on.
+
+Two layouts, and the alignment between them:
+- the *completion layout* `(N, Tc)` of a whole step (`StepBatch`): row i holds sample i's completion
+  tokens from column 0; N counts every sample of the step, groups as consecutive rows (rows
+  `g*n .. g*n+n-1` are group g), as the advantage estimators expect;
+- the *target layout* `(B, T)` of a micro-batch (`MicroBatch`): row b is prompt + completion, right-padded
+  to the micro-batch's longest sequence. Every per-token tensor is aligned with the *targets*: position t
+  holds the quantity of token `input_ids[b, t+1]`, which the logits at position t predict. The last
+  position has no target and is always masked out.
+Completion token j of a sample with prompt length P sits at input position P + j, so its per-token values
+sit at target position P - 1 + j (`MicroBatch.completion_start` = P - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+TRUNCATED = "length"
+"""The finish reason of a completion cut at max_tokens."""
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of a group's prompt, scored."""
+
+    token_ids: list[int]
+    """Completion token ids (the prompt is on the group)."""
+    logprobs: list[float]
+    """The inference engine's log-prob of each completion token: same length as `token_ids`."""
+    reward: float
+    """Sequence-level reward."""
+    finish_reason: str = "stop"
+    """"stop" or "length" (cut at max_tokens), as the engine reported it."""
+    policy_version: int = 0
+    """Policy version at dispatch."""
+
+
+@dataclass
+class GroupSamples:
+    """The n samples of one prompt: the unit the learner consumes, never split by the estimators."""
+
+    prompt_token_ids: list[int]
+    """The prompt, at least one token."""
+    rollouts: list[Rollout]
+    """The samples, in sample-index order."""
+    group_id: str = ""
+    """Identity of the group (for the applied-group ledger)."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"group {self.group_id!r} has an empty prompt")
+        for r in self.rollouts:
+            if len(r.token_ids) != len(r.logprobs):
+                raise ValueError(
+                    f"group {self.group_id!r}: {len(r.token_ids)} tokens but {len(r.logprobs)} logprobs"
+                )
+
+
+@dataclass
+class StepBatch:
+    """The completion layout of a step's samples, for advantages. N samples, groups as consecutive rows."""
+
+    rewards: Tensor
+    """(N,) float32 sequence rewards."""
+    completion_mask: Tensor
+    """(N, Tc) float32: 1 on completion tokens; Tc is the longest completion."""
+    lengths: Tensor
+    """(N,) int64 completion lengths."""
+    truncated: Tensor
+    """(N,) bool: the engine stopped at max_tokens."""
+    group_size: int
+    """Samples per group (uniform over the step)."""
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[GroupSamples]) -> StepBatch:
+        """Stack `groups` (each with the same number of samples) in order."""
+        sizes = {len(g.rollouts) for g in groups}
+        if len(sizes) > 1:
+            raise ValueError(f"groups of different sizes in one step: {sorted(sizes)}")
+        samples = [r for g in groups for r in g.rollouts]
+        lengths = torch.tensor([len(r.token_ids) for r in samples], dtype=torch.int64)
+        width = int(lengths.max()) if len(samples) else 0
+        return cls(
+            rewards=torch.tensor([r.reward for r in samples], dtype=torch.float32),
+            completion_mask=(torch.arange(width) < lengths.unsqueeze(-1)).float(),
+            lengths=lengths,
+            truncated=torch.tensor([r.finish_reason == TRUNCATED for r in samples], dtype=torch.bool),
+            group_size=sizes.pop() if sizes else 1,
+        )
+
+    def outcome_token_rewards(self, rewards: Tensor) -> Tensor:
+        """Put each sequence reward (N,) on its completion's last token: (N, Tc), 0 elsewhere."""
+        token_rewards = torch.zeros_like(self.completion_mask)
+        has_tokens = self.lengths > 0
+        rows = torch.nonzero(has_tokens).squeeze(-1)
+        token_rewards[rows, self.lengths[rows] - 1] = rewards[rows].to(token_rewards.dtype)
+        return token_rewards
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's sequences in the target layout (see the module docstring)."""
+
+    input_ids: Tensor
+    """(B, T) int64 prompt + completion, right-padded with the pad id."""
+    attention_mask: Tensor
+    """(B, T) int64: 1 on real tokens."""
+    loss_mask: Tensor
+    """(B, T) float32: 1 at position t when token t+1 is a completion token."""
+    rollout_logprobs: Tensor
+    """(B, T) float32: the engine's log-prob of token t+1 at position t; 0 off the loss mask."""
+    rewards: Tensor
+    """(B,) float32 sequence rewards."""
+    group_index: Tensor
+    """(B,) int64: index of the row's group among the step's groups."""
+    sample_index: Tensor
+    """(B,) int64: the row's index in the step (its row in `StepBatch`)."""
+    completion_start: Tensor
+    """(B,) int64: target position of the first completion token (prompt length - 1)."""
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """Per-token (B, T) tensors the trainer attaches (advantages, reference log-probs, ...)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens in the loss mask."""
+        return int(self.loss_mask.sum())
+
+    def targets(self, pad_id: int) -> Tensor:
+        """The token each position predicts: `input_ids` shifted left by one, pad at the end. (B, T)."""
+        shifted = torch.full_like(self.input_ids, pad_id)
+        shifted[:, :-1] = self.input_ids[:, 1:]
+        return shifted
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """A copy with every tensor on `device`."""
+        moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
+        return MicroBatch(**moved, extras={k: v.to(device) for k, v in self.extras.items()})
+
+    def completion_positions(self, width: int) -> Tensor:
+        """Target position of completion column j for each row, clamped into the row: (B, width)."""
+        positions = self.completion_start.unsqueeze(-1) + torch.arange(width, device=self.input_ids.device)
+        return positions.clamp(max=self.input_ids.shape[1] - 1)
+
+    def from_completion_layout(self, values: Tensor, completion_mask: Tensor) -> Tensor:
+        """Scatter this micro-batch's rows of a step tensor (N, Tc) into the target layout (B, T).
+
+        `completion_mask` (N, Tc) zeroes the padding columns, so clamped positions receive only zeros.
+        """
+        rows = self.sample_index.to(values.device)
+        masked = (values[rows] * completion_mask[rows]).to(torch.float32)
+        out = torch.zeros(self.input_ids.shape, dtype=torch.float32, device=values.device)
+        return out.scatter_add_(1, self.completion_positions(values.shape[1]).to(values.device), masked)
+
+    def to_completion_layout(self, values: Tensor, width: int) -> Tensor:
+        """Read a target-layout tensor (B, T) back into completion columns (B, width); padding is 0.
+
+        A row's completion length is its loss-mask count."""
+        gathered = values.gather(1, self.completion_positions(width).to(values.device))
+        lengths = self.loss_mask.sum(-1, keepdim=True)
+        return gathered * (torch.arange(width, device=values.device) < lengths).to(gathered.dtype)
+
+
+_TENSOR_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "rollout_logprobs",
+    "rewards",
+    "group_index",
+    "sample_index",
+    "completion_start",
+)
+
+
+@dataclass
+class _Row:
+    """One sample, flattened out of its group."""
+
+    prompt: list[int]
+    rollout: Rollout
+    group_index: int
+    sample_index: int
+
+
+def _flatten(groups: Sequence[GroupSamples]) -> list[_Row]:
+    """Every sample of the step in order, with its group and step index."""
+    rows = [(g_idx, g.prompt_token_ids, r) for g_idx, g in enumerate(groups) for r in g.rollouts]
+    return [_Row(p, r, g_idx, i) for i, (g_idx, p, r) in enumerate(rows)]
+
+
+def _collate(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
+    """Right-pad `rows` to their longest prompt + completion and align per-token values with targets."""
+    width = max(len(r.prompt) + len(r.rollout.token_ids) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    for b, row in enumerate(rows):
+        p, c = len(row.prompt), len(row.rollout.token_ids)
+        input_ids[b, : p + c] = torch.tensor(row.prompt + row.rollout.token_ids, dtype=torch.int64)
+        attention_mask[b, : p + c] = 1
+        loss_mask[b, p - 1 : p - 1 + c] = 1.0
+        rollout_logprobs[b, p - 1 : p - 1 + c] = torch.tensor(row.rollout.logprobs, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        rollout_logprobs=rollout_logprobs,
+        rewards=torch.tensor([r.rollout.reward for r in rows], dtype=torch.float32),
+        group_index=torch.tensor([r.group_index for r in rows], dtype=torch.int64),
+        sample_index=torch.tensor([r.sample_index for r in rows], dtype=torch.int64),
+        completion_start=torch.tensor([len(r.prompt) - 1 for r in rows], dtype=torch.int64),
+    )
+
+
+def build_micro_batches(
+    groups: Sequence[GroupSamples], micro_batch_size: int, pad_id: int
+) -> list[MicroBatch]:
+    """Cut the step's samples, in order, into micro-batches of `micro_batch_size` sequences.
+
+    Each micro-batch is padded to its own longest sequence. Micro-batches may split a group: advantages
+    are computed per group over the whole step (`StepBatch`) before this.
+    """
+    if micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be >= 1")
+    rows = _flatten(groups)
+    return [_collate(rows[i : i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
+
+
+def empty_micro_batch(pad_id: int) -> MicroBatch:
+    """A one-row micro-batch with nothing to learn from, for a rank with fewer micro-batches than its
+    peers: FSDP needs every rank to run the same number of forward/backward passes."""
+    row = _Row([pad_id], Rollout([], [], 0.0), group_index=-1, sample_index=-1)
+    mb = _collate([row], pad_id)
+    mb.attention_mask[:] = 1
+    return mb
+
+
+def shard_groups(groups: Sequence[GroupSamples], rank: int, world_size: int) -> list[GroupSamples]:
+    """This rank's groups of the step: round-robin by position, the same split on every rank."""
+    return list(groups[rank::world_size])

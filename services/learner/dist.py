@@ -1,0 +1,136 @@
+"""The learner's process group (one rank per torchrun process, gloo on CPU and NCCL on GPU) and FSDP2.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; without them (a plain `python`
+process, a unit test) the learner is a world of one on loopback. FSDP2 needs a process group even then,
+so the single-process path initialises one too: the trainer has one code path for every world size.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the learner's process group."""
+
+    rank: int
+    """Global rank, 0 .. size-1; rank 0 writes shared files and gathers full state dicts."""
+    size: int
+    """Number of ranks (data-parallel and FSDP shard degree)."""
+    local_rank: int
+    """Rank on this node: the index of its GPU."""
+    backend: str
+    """"gloo" or "nccl"."""
+    device: torch.device
+    """Where this rank's model lives."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0."""
+        return self.rank == 0
+
+
+def select_device(local_rank: int) -> torch.device:
+    """`cuda:<local_rank>` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_loopback_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (for the world-of-one rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer environment variable set by torchrun."""
+    return int(os.environ.get(name, default))
+
+
+def init_distributed(device: torch.device | None = None) -> World:
+    """Join (or create) the default process group and return this rank's `World`.
+
+    Idempotent: when a group already exists it is described, not re-created.
+    """
+    rank, size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    device = device or select_device(local_rank)
+    backend = backend_for(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=size, device_id=_device_id(device))
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_loopback_port()}"
+            dist.init_process_group(backend, init_method=init_method, rank=0, world_size=1)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    """Bind NCCL to its GPU up front (eager init); gloo takes no device."""
+    return device if device.type == "cuda" else None
+
+
+def destroy_distributed() -> None:
+    """Leave the process group, if any."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(world: World) -> None:
+    """All ranks meet here (on NCCL, on this rank's device)."""
+    if world.backend == "nccl":
+        dist.barrier(device_ids=[world.device.index])
+    else:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    """Sum `tensor` over the ranks, in place on this rank's device, and return it."""
+    reduced = tensor.to(world.device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return reduced
+
+
+def all_reduce_max(value: int, world: World) -> int:
+    """The largest `value` over the ranks."""
+    t = torch.tensor([value], dtype=torch.int64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(spec_dtype: str, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype: `auto` is bfloat16 on GPU and float32 on CPU. Master weights stay fp32."""
+    if spec_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[spec_dtype]
+
+
+def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """FSDP2: shard each decoder layer (the model's `_no_split_modules`), then the root."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)

@@ -1,0 +1,199 @@
+"""The learner's main loop: read scored groups, train, checkpoint, acknowledge, publish.
+
+    resume   restore the newest complete checkpoint (model, optimizer, RNG, step, applied-group ledger);
+             the next version is above both the checkpoint's and the newest published one
+    repeat until the run's step budget is spent:
+      1. collect   rank 0 reads groups_per_step fresh groups (stale ones are dropped, recorded, acked)
+      2. share     rank 0 sends the groups' protobuf bytes to every rank (a byte tensor, never pickle)
+      3. train     Trainer.train_step on every rank (FSDP2)
+      4. persist   every checkpoint_every steps: checkpoint with the ledger, then ack the entries it covers
+      5. publish   gather the full weights, write version v to the object store, announce it
+      6. report    metrics.jsonl, Prometheus, LearnerService.GetStatus
+
+Exactly-once: an entry is acknowledged only after a checkpoint that contains its group id in the ledger
+is complete. A crash before that leaves it pending (redelivered, trained again on the restored model); a
+crash after it leaves it in the restored ledger (skipped on redelivery).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfabric.common import weights as store
+from rlfabric.learner.batch import GroupSamples, Rollout
+from rlfabric.learner.checkpoint import latest_complete, prune
+from rlfabric.learner.config import LearnerServiceConfig
+from rlfabric.learner.dist import World
+from rlfabric.learner.queue import AppliedLedger, Delivery, GroupConsumer
+from rlfabric.learner.trainer import Trainer
+from rlfabric.v1 import common_pb2, queue_pb2
+
+log = logging.getLogger(__name__)
+
+LEDGER_KEY = "ledger"
+APPLIED_LOG_KEY = "applied_log"
+FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+def to_group_samples(group: queue_pb2.ScoredGroup) -> GroupSamples:
+    rollouts = [
+        Rollout(
+            token_ids=list(s.token_ids),
+            logprobs=list(s.logprobs),
+            reward=s.reward.value,
+            finish_reason=FINISH_NAMES.get(s.finish_reason, "stop"),
+            policy_version=s.policy_version,
+        )
+        for s in sorted(group.samples, key=lambda s: s.sample_index)
+    ]
+    return GroupSamples(list(group.prompt_token_ids), rollouts, group.group_id)
+
+
+STOP = -1
+"""The payload count rank 0 sends to end the loop on every rank."""
+
+
+def share_payloads(payloads: list[bytes] | None, world: World) -> list[bytes] | None:
+    """Rank 0's list of byte strings on every rank (broadcasts of the count, the lengths, the bytes);
+    None on every rank when rank 0 passes None (stop)."""
+    if world.size == 1:
+        return payloads
+    import torch.distributed as dist
+
+    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    count = torch.tensor([STOP if payloads is None else len(payloads)], dtype=torch.int64, device=device)
+    dist.broadcast(count, src=0)
+    if int(count) == STOP:
+        return None
+    payloads = payloads or []
+    lengths = torch.tensor([len(p) for p in payloads] or [0] * int(count), dtype=torch.int64, device=device)
+    if not world.is_main:
+        lengths = torch.zeros(int(count), dtype=torch.int64, device=device)
+    dist.broadcast(lengths, src=0)
+    blob = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8).to(device)
+    if not world.is_main:
+        blob = torch.zeros(max(int(lengths.sum()), 1), dtype=torch.uint8, device=device)
+    dist.broadcast(blob, src=0)
+    data = blob.cpu().numpy().tobytes()
+    offsets = [0, *torch.cumsum(lengths.cpu(), 0).tolist()]
+    return [data[offsets[i] : offsets[i + 1]] for i in range(int(count))]
+
+
+@dataclass
+class RunPaths:
+    """Where a run's learner writes: checkpoints, published weights, metrics."""
+
+    run_dir: Path
+    weights_root: str
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @classmethod
+    def of(cls, config: LearnerServiceConfig) -> RunPaths:
+        run_dir = Path(config.run.output_dir) / config.run_id
+        return cls(run_dir, config.run.weights.url or str(run_dir / "weights"))
+
+
+@dataclass
+class Counters:
+    """Every group the learner read ends in exactly one of these (dead letters are the consumer's)."""
+
+    trained: int = 0
+    dropped_stale: int = 0
+    staleness: list[int] = field(default_factory=list)
+
+
+class StepSource:
+    """Rank 0's reader: fresh groups for one step, stale ones dropped (recorded in Redis, acked)."""
+
+    def __init__(self, consumer: GroupConsumer, redis: Any, run_id: str, max_staleness: int) -> None:
+        self.consumer, self.redis, self.run_id, self.max_staleness = consumer, redis, run_id, max_staleness
+        self.counters = Counters()
+
+    async def collect(self, count: int, version: int, *, timeout_s: float) -> list[Delivery]:
+        """Up to `count` trainable deliveries generated at most max_staleness versions ago."""
+        fresh: list[Delivery] = []
+        deadline = time.monotonic() + timeout_s
+        while len(fresh) < count and time.monotonic() < deadline:
+            for delivery in await self.consumer.read(count - len(fresh), block_ms=500):
+                assert delivery.group is not None
+                lag = version - delivery.group.policy_version
+                if lag > self.max_staleness:
+                    await self.drop_stale(delivery, lag)
+                else:
+                    self.counters.staleness.append(lag)
+                    fresh.append(delivery)
+        return fresh
+
+    async def drop_stale(self, delivery: Delivery, lag: int) -> None:
+        assert delivery.group is not None
+        await self.redis.xadd(
+            f"rlfabric:{self.run_id}:dropped",
+            {"group_id": delivery.group.group_id, "reason": "stale", "lag": str(lag)},
+        )
+        await self.consumer.ack([delivery.entry_id])
+        self.counters.dropped_stale += 1
+
+
+class Publisher:
+    """Rank 0's weight publishing: object store, then the Redis announcement replicas can watch."""
+
+    def __init__(self, paths: RunPaths, redis: Any, run_id: str, keep: int) -> None:
+        self.paths, self.redis, self.run_id, self.keep = paths, redis, run_id, keep
+
+    def next_version(self, checkpoint_version: int) -> int:
+        """Above everything published so far, so versions increase across restarts."""
+        published = store.latest_committed(self.paths.weights_root) or 0
+        return max(checkpoint_version, published) + 1
+
+    async def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        store.publish_version(self.paths.weights_root, version, state_dict)
+        store.prune(self.paths.weights_root, keep=self.keep)
+        await self.redis.set(f"rlfabric:{self.run_id}:version", version)
+        await self.redis.publish(f"rlfabric:{self.run_id}:versions", version)
+        return time.perf_counter() - start
+
+
+def write_metrics(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def restore(trainer: Trainer, paths: RunPaths) -> tuple[AppliedLedger, list[list[Any]]]:
+    """Resumes from the newest complete checkpoint, if any: the ledger and the applied log with it."""
+    latest = latest_complete(paths.checkpoints)
+    if latest is None:
+        return AppliedLedger(), []
+    extra = trainer.load_checkpoint(latest)
+    log.info("resumed", extra={"checkpoint": str(latest), "step": trainer.step})
+    return AppliedLedger.from_bytes(_as_bytes(extra[LEDGER_KEY])), json.loads(extra[APPLIED_LOG_KEY])
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def checkpoint(
+    trainer: Trainer, paths: RunPaths, ledger: AppliedLedger, applied_log: list[list[Any]], keep: int = 2
+) -> None:
+    """Collective. The ledger (and the ordered log of applied groups, for audits) rides in the
+    checkpoint, so acknowledging the entries afterwards is safe."""
+    extra: dict[str, bytes | str] = {LEDGER_KEY: ledger.to_bytes(), APPLIED_LOG_KEY: json.dumps(applied_log)}
+    trainer.save_checkpoint(paths.checkpoints, extra=extra)
+    if trainer.world.is_main:
+        prune(paths.checkpoints, keep=keep)

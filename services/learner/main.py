@@ -1,0 +1,220 @@
+"""`rlfabric serve learner`: one learner rank (run it under torchrun for several).
+
+Every rank runs the same loop (`loop.py` describes its steps); rank 0 alone talks to Redis, writes the
+object store, and serves `LearnerService.GetStatus`. Training runs on a worker thread so that rank 0's
+event loop keeps answering status calls during a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from rlfabric.common import failpoints
+from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
+from rlfabric.common.logs import setup_logging
+from rlfabric.common.telemetry import setup_tracing
+from rlfabric.learner.config import LearnerServiceConfig
+from rlfabric.learner.dist import World, destroy_distributed, init_distributed
+from rlfabric.learner.loop import (
+    Publisher,
+    RunPaths,
+    StepSource,
+    checkpoint,
+    restore,
+    share_payloads,
+    to_group_samples,
+    write_metrics,
+)
+from rlfabric.learner.queue import AppliedLedger, Delivery, GroupConsumer
+from rlfabric.learner.trainer import Trainer
+from rlfabric.v1 import learner_pb2, learner_pb2_grpc, queue_pb2
+
+log = logging.getLogger(__name__)
+SERVICE = full_service_name(learner_pb2, "LearnerService")
+
+
+class Status(learner_pb2_grpc.LearnerServiceServicer):
+    """What GetStatus reports; rank 0's loop keeps it current."""
+
+    def __init__(self, run_id: str, world_size: int) -> None:
+        self.message = learner_pb2.LearnerStatus(
+            run_id=run_id, state=learner_pb2.LEARNER_STATE_STARTING, world_size=world_size
+        )
+
+    async def GetStatus(self, request: Any, context: Any) -> learner_pb2.LearnerStatus:
+        return self.message
+
+
+class Learner:
+    def __init__(self, config: LearnerServiceConfig, world: World, trainer: Trainer) -> None:
+        self.config, self.world, self.trainer = config, world, trainer
+        self.spec = config.run
+        self.paths = RunPaths.of(config)
+        self.status = Status(config.run_id, world.size)
+        self.stopping = False
+        self.pending: list[str] = []  # entry ids trained but not yet covered by a checkpoint
+        self.ledger = AppliedLedger()
+        self.applied_log: list[list[Any]] = []  # [step, group_id] in the order applied, in this lineage
+        self.version = 0
+
+    # --- set-up (rank 0 owns Redis and the status server) ------------------------------------------
+
+    async def start(self) -> None:
+        self.ledger, self.applied_log = restore(self.trainer, self.paths)
+        if not self.world.is_main:
+            return
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.Redis.from_url(
+            self.config.redis.url, socket_timeout=self.config.redis.socket_timeout_s
+        )
+        name = self.config.consumer_name or f"learner-{socket.gethostname()}"
+        consumer = GroupConsumer(
+            self.redis,
+            self.config.run_id,
+            name,
+            max_deliveries=self.config.max_deliveries,
+            claim_idle_ms=self.config.claim_idle_ms,
+            ledger=self.ledger,
+            expected_n=self.spec.rollout.sampling.n,
+        )
+        self.source = StepSource(consumer, self.redis, self.config.run_id, self.spec.rollout.max_staleness)
+        self.publisher = Publisher(
+            self.paths, self.redis, self.config.run_id, self.spec.weights.keep_versions
+        )
+        self.version = self.publisher.next_version(self.trainer.policy_version) - 1
+        await self.start_status_server()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.request_stop)
+
+    async def start_status_server(self) -> None:
+        self.server = GrpcServer(options_from_config(self.config.server))
+        self.server.add_servicer(learner_pb2_grpc.add_LearnerServiceServicer_to_server, self.status, SERVICE)
+        port = await self.server.start()
+        print(
+            f"rlfabric learner (rank 0 of {self.world.size}) listening on {self.config.server.host}:{port}",
+            flush=True,
+        )
+
+    def request_stop(self) -> None:
+        self.stopping = True
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.start()
+        while self.trainer.step < self.spec.train.steps:
+            deliveries = await self.collect()
+            payloads = share_payloads(self.encode(deliveries), self.world)
+            if payloads is None:
+                break
+            if payloads:
+                await self.step(deliveries, payloads)
+        await self.finish()
+
+    async def collect(self) -> list[Delivery] | None:
+        """Rank 0: the step's deliveries ([] if none arrived in time; None to stop)."""
+        if not self.world.is_main:
+            return []
+        if self.stopping:
+            return None
+        self.set_state(learner_pb2.LEARNER_STATE_WAITING)
+        deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
+        if deliveries:
+            failpoints.hit("learner.after_read")
+        return deliveries
+
+    def encode(self, deliveries: list[Delivery] | None) -> list[bytes] | None:
+        if deliveries is None:
+            return None
+        return [d.group.SerializeToString() for d in deliveries if d.group is not None]
+
+    async def step(self, deliveries: list[Delivery] | None, payloads: list[bytes]) -> None:
+        groups = [to_group_samples(queue_pb2.ScoredGroup.FromString(p)) for p in payloads]
+        self.set_state(learner_pb2.LEARNER_STATE_TRAINING)
+        start = time.perf_counter()
+        metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics["step_seconds"] = time.perf_counter() - start
+        self.ledger.update(g.group_id for g in groups)
+        self.applied_log.extend([self.trainer.step, g.group_id] for g in groups)
+        self.pending.extend(d.entry_id for d in deliveries or [])
+        failpoints.hit("learner.after_step")
+        self.version += 1
+        self.trainer.policy_version = self.version
+        self.set_state(learner_pb2.LEARNER_STATE_PUBLISHING)
+        await self.persist_if_due(metrics)
+        await self.publish(metrics)
+        self.report(metrics, len(groups))
+
+    async def persist_if_due(self, metrics: dict[str, float]) -> None:
+        due = (
+            self.trainer.step % self.spec.train.checkpoint_every == 0
+            or self.trainer.step >= self.spec.train.steps
+        )
+        if not due:
+            return
+        start = time.perf_counter()
+        await asyncio.to_thread(checkpoint, self.trainer, self.paths, self.ledger, self.applied_log)
+        if self.world.is_main and self.pending:
+            failpoints.hit("learner.before_ack")
+            await self.source.consumer.ack(self.pending)
+            self.pending = []
+        metrics["checkpoint_seconds"] = time.perf_counter() - start
+        self.status.message.checkpoint_step = self.trainer.step
+
+    async def publish(self, metrics: dict[str, float]) -> None:
+        state_dict = await asyncio.to_thread(self.trainer.full_state_dict)  # collective
+        if self.world.is_main:
+            metrics["publish_seconds"] = await self.publisher.publish(self.version, state_dict)
+
+    def report(self, metrics: dict[str, float], groups: int) -> None:
+        if not self.world.is_main:
+            return
+        counters = self.source.counters
+        counters.trained += groups
+        queue = self.source.consumer.counters
+        row = {"step": self.trainer.step, "policy_version": self.version, "time": time.time(), **metrics}
+        row.update(groups_trained=counters.trained, groups_dropped_stale=counters.dropped_stale)
+        row.update({f"queue_{k}": v for k, v in queue.as_dict().items()})
+        write_metrics(self.paths.metrics, row)
+        msg = self.status.message
+        msg.step, msg.policy_version = self.trainer.step, self.version
+        msg.groups_trained, msg.groups_dropped_stale = counters.trained, counters.dropped_stale
+        msg.groups_skipped_duplicate = queue.skipped_duplicate
+        msg.groups_dead_lettered = queue.dead_lettered_total
+        msg.last_metrics.clear()
+        msg.last_metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def set_state(self, state: int) -> None:
+        self.status.message.state = state  # type: ignore[assignment]
+
+    async def finish(self) -> None:
+        if self.trainer.step > 0 and self.status.message.checkpoint_step != self.trainer.step:
+            await asyncio.to_thread(checkpoint, self.trainer, self.paths, self.ledger, self.applied_log)
+            if self.world.is_main and self.pending:
+                await self.source.consumer.ack(self.pending)
+        self.set_state(learner_pb2.LEARNER_STATE_DONE)
+        if self.world.is_main:
+            print(f"rlfabric learner done at step {self.trainer.step}, version {self.version}", flush=True)
+            await self.server.stop(1.0)
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+
+
+def serve(config: LearnerServiceConfig) -> int:
+    setup_logging("learner", config.log.level, config.log.format)
+    setup_tracing("rlfabric-learner")
+    world = init_distributed()
+    try:
+        trainer = Trainer(config.run, config.run.model.path, device=world.device, world=world)
+        asyncio.run(Learner(config, world, trainer).run())
+    finally:
+        destroy_distributed()
+    log.info("learner exited", extra={"pid": os.getpid()})
+    return 0

@@ -1,0 +1,498 @@
+"""The learner's training core: one optimizer step over a step's scored groups, FSDP2-sharded.
+
+`Trainer.train_step(groups)` runs in named phases:
+1. plan: this rank's share of the groups (whole groups, round-robin), its micro-batches (as many on every
+   rank: FSDP collectives need it) and the global loss normaliser (all-reduced);
+2. frozen pass: reference log-probs (KL) and, when needed, the pre-update policy log-probs;
+3. advantages: per group, over the step's samples, in the completion layout, then scattered onto each
+   micro-batch's target positions;
+4. accumulate: forward and backward per micro-batch;
+5. optimizer step: grad clipping, AdamW, LR schedule;
+6. metrics: one all-reduce of every summed statistic.
+
+Gradient accumulation is exact: each micro-batch's aggregated loss is re-weighted by
+`local_count / global_count`, where the count is the aggregation's own normaliser (valid tokens for
+`token_mean`, responses for the sequence means, rows for `constant`) summed over every micro-batch of
+every rank. The result equals aggregating the whole step at once, however it is cut. FSDP averages
+gradients over ranks, so each rank's loss is also multiplied by the world size.
+
+Advantage estimators that whiten over the batch (`reinforce_pp`) see this rank's share of the step;
+group estimators (GRPO, Dr.GRPO, RLOO) are unaffected by the split.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.optim import AdamW
+from torch.optim.lr_scheduler import LambdaLR
+
+from rlfabric.common.runspec import OptimSpec, RunSpec
+from rlfabric.learner.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    PolicyLossConfig,
+    aggregate,
+    apply_kl_penalty,
+    entropy_bonus,
+    entropy_from_logits,
+    make_kl_controller,
+    masked_sum,
+    overlong_penalty,
+    policy_loss,
+)
+from rlfabric.learner.batch import (
+    GroupSamples,
+    MicroBatch,
+    StepBatch,
+    build_micro_batches,
+    empty_micro_batch,
+    shard_groups,
+)
+from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, shard_model
+
+LOGPROB_CHUNK = 1024
+"""Positions per chunk when turning logits into log-probs: bounds the float32 copy of the logits."""
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+def load_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, *, trainable: bool, checkpointing: bool
+) -> nn.Module:
+    """A causal LM from `path` with float32 master weights on `device`, sharded with FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.config.use_cache = False
+    if checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module: nn.Module = model
+    module.requires_grad_(trainable)
+    module.train(trainable)
+    module.to(device)
+    shard_model(module, dtype)
+    return module
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and the entropy per position, in float32 chunks along T.
+
+    `logits` (B, T, V), `targets` (B, T) → `(logp, entropy)`, both (B, T). The entropy carries a
+    gradient only with `entropy_grad` (it is otherwise a metric and needs no graph).
+    """
+    logps, entropies = [], []
+    for start in range(0, logits.shape[1], LOGPROB_CHUNK):
+        chunk = logits[:, start : start + LOGPROB_CHUNK].float()
+        target = targets[:, start : start + LOGPROB_CHUNK].unsqueeze(-1)
+        logps.append(chunk.gather(-1, target).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies.append(entropy_from_logits(chunk))
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
+
+
+# -- optimiser ------------------------------------------------------------------------------------------
+
+
+def lr_multiplier(step: int, optim: OptimSpec, total_steps: int) -> float:
+    """Factor on the peak LR at optimizer step `step` (0-based): linear warm-up to 1 over
+    `warmup_steps` (the first step already moves), then constant, linear or cosine decay to 0 at
+    `total_steps`."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    if optim.schedule == "linear":
+        return 1.0 - progress
+    if optim.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def build_optimizer(model: nn.Module, spec: RunSpec) -> tuple[AdamW, LambdaLR]:
+    """AdamW over the trainable parameters and its LR schedule from `spec.optim`."""
+    optim = spec.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+    total_steps = spec.train.steps * spec.algorithm.ppo_epochs  # each epoch is an optimizer step
+
+    def schedule(step: int) -> float:
+        return lr_multiplier(step, optim, total_steps)
+
+    return optimizer, LambdaLR(optimizer, schedule)
+
+
+def policy_loss_config(spec: RunSpec) -> PolicyLossConfig:
+    """The loss knobs of the run spec."""
+    algo = spec.algorithm
+    return PolicyLossConfig(
+        clip_eps_low=algo.clip_eps_low,
+        clip_eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip,
+        gspo=algo.gspo,
+        tis_cap=algo.tis_cap,
+        aggregation=algo.loss_aggregation,
+        max_tokens=spec.rollout.sampling.max_tokens,
+    )
+
+
+def normaliser_count(mask: Tensor, aggregation: str) -> Tensor:
+    """The quantity `aggregation` divides by, for one micro-batch's loss mask (B, T) → scalar float."""
+    if aggregation == "token_mean":
+        return mask.sum()
+    if aggregation == "constant":
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+    return (mask.sum(-1) > 0).sum().to(torch.float32)
+
+
+# -- the step -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepPlan:
+    """This rank's share of one step, ready to train on."""
+
+    step_batch: StepBatch
+    """The completion layout of this rank's samples (advantages)."""
+    micro_batches: list[MicroBatch]
+    """On this rank's device; padded with empty ones to the largest count over ranks."""
+    global_count: float
+    """The aggregation's normaliser summed over every micro-batch of every rank."""
+
+
+class Trainer:
+    """Policy, optional frozen reference, optimizer and schedule of one learner rank."""
+
+    def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
+        self.spec, self.world, self.device = spec, world, device
+        algo = spec.algorithm
+        if algo.advantage == "gae":
+            raise NotImplementedError("the gae estimator needs a critic, which this trainer does not train")
+        random.seed(spec.train.seed)
+        torch.manual_seed(spec.train.seed)
+        self.dtype = compute_dtype(spec.model.dtype, device)
+        self.model = load_model(
+            model_path, device, self.dtype, trainable=True, checkpointing=spec.train.activation_checkpointing
+        )
+        self.reference = self._load_reference(model_path)
+        self.optimizer, self.scheduler = build_optimizer(self.model, spec)
+        self.kl = make_kl_controller(algo.kl.coef, algo.kl.target, algo.kl.horizon)
+        self.loss_config = policy_loss_config(spec)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.step = 0
+        self.policy_version = 0
+
+    def _load_reference(self, model_path: str | Path) -> nn.Module | None:
+        """The frozen reference, only when the KL coefficient is positive."""
+        if self.spec.algorithm.kl.coef <= 0:
+            return None
+        path = self.spec.model.reference_path or model_path
+        return load_model(path, self.device, self.dtype, trainable=False, checkpointing=False)
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    def train_step(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
+        """One step on the step's groups (the same list on every rank). Returns global metrics.
+
+        With `ppo_epochs` > 1 the optimizer steps once per epoch over the same plan; the metrics are the
+        last epoch's."""
+        if not groups:
+            raise ValueError("a train step needs at least one group")
+        plan = self.plan(groups)
+        for _ in range(self.spec.algorithm.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = self._accumulate(plan)
+            grad_norm, lr = self._optimizer_step()
+        metrics = self._finish_metrics(plan, sums)
+        metrics.update(grad_norm=grad_norm, lr=lr)
+        self.kl.update(metrics.get("kl", 0.0), int(metrics["samples"]))
+        self.step += 1
+        self.policy_version += 1
+        return metrics
+
+    def accumulate_gradients(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
+        """Phases 1-4 and 6 only: leave the step's gradients in `.grad` without stepping (for tests)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        plan = self.plan(groups)
+        return self._finish_metrics(plan, self._accumulate(plan))
+
+    def plan(self, groups: Sequence[GroupSamples]) -> StepPlan:
+        """Phases 1-3: shard, micro-batch, frozen pass, advantages."""
+        mine = shard_groups(groups, self.world.rank, self.world.size)
+        micro_batches = build_micro_batches(mine, self.spec.train.micro_batch_size, self.pad_id)
+        micro_batches = self._pad_micro_batches(micro_batches)
+        step_batch = StepBatch.from_groups(mine)
+        for mb in micro_batches:
+            mb.extras["train_mask"] = self._train_mask(mb, step_batch)
+        plan = StepPlan(step_batch, micro_batches, self._global_count(micro_batches))
+        self._frozen_pass(plan)
+        self._attach_advantages(plan)
+        return plan
+
+    @torch.no_grad()
+    def sequence_logprobs(self, groups: Sequence[GroupSamples]) -> Tensor:
+        """Sum of the policy's log-probs of each completion: (N,) in step order. Collective: every rank
+        passes the same groups and gets every sample's value (evaluation and tests)."""
+        micro_batches = build_micro_batches(groups, self.spec.train.micro_batch_size, self.pad_id)
+        out = torch.zeros(sum(len(g.rollouts) for g in groups))
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            logp, _ = self._logprobs(self.model, mb)
+            out[mb.sample_index.cpu()] = masked_sum(logp, mb.loss_mask, dim=-1).cpu()
+        return out
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
+
+    def save_checkpoint(self, root: str | Path, extra: dict[str, bytes | str] | None = None) -> Path:
+        """Write a resumable checkpoint of this step under `root` (collective)."""
+        state = CheckpointState(self.step, self.policy_version, dict(extra or {}), {"kl_coef": self.kl.value})
+        return save_checkpoint(root, state, self._train_objects(), self.world)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, bytes | str]:
+        """Resume from the checkpoint at `path` (collective); returns the caller's `extra`."""
+        state = load_checkpoint(path, self._train_objects(), self.world)
+        self.step, self.policy_version = state.step, state.policy_version
+        self.kl.value = float(state.trainer["kl_coef"])
+        return state.extra
+
+    def _train_objects(self) -> TrainObjects:
+        return TrainObjects(self.model, self.optimizer, self.scheduler)
+
+    # -- phase 1: plan ----------------------------------------------------------------------------------
+
+    def _pad_micro_batches(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """Move to the device and pad with empty micro-batches to the most any rank has."""
+        target = all_reduce_max(len(micro_batches), self.world)
+        padding = [empty_micro_batch(self.pad_id) for _ in range(target - len(micro_batches))]
+        return [mb.to(self.device) for mb in micro_batches + padding]
+
+    def _train_mask(self, mb: MicroBatch, step_batch: StepBatch) -> Tensor:
+        """The loss mask, without truncated completions when the run masks them. (B, T)."""
+        if not self.spec.algorithm.overlong.mask_truncated or _is_empty(mb):
+            return mb.loss_mask
+        truncated = step_batch.truncated.to(self.device)[mb.sample_index]
+        return mb.loss_mask * (~truncated).unsqueeze(-1).to(mb.loss_mask.dtype)
+
+    def _global_count(self, micro_batches: list[MicroBatch]) -> float:
+        """The aggregation's normaliser over the whole step, all ranks."""
+        aggregation = self.loss_config.aggregation
+        local = torch.zeros(1, device=self.device)
+        for mb in micro_batches:
+            if not _is_empty(mb):
+                local += normaliser_count(mb.extras["train_mask"], aggregation)
+        return float(all_reduce_sum(local, self.world).item())
+
+    # -- phase 2: frozen pass ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _frozen_pass(self, plan: StepPlan) -> None:
+        """Reference log-probs (KL) and pre-update policy log-probs (several epochs, KL in the reward)."""
+        kl = self.spec.algorithm.kl
+        need_old = self.spec.algorithm.ppo_epochs > 1 or (self.reference is not None and kl.mode == "reward")
+        for mb in plan.micro_batches:
+            if self.reference is not None:
+                mb.extras["ref_logp"] = self._logprobs(self.reference, mb)[0]
+            if need_old:
+                mb.extras["old_logp"] = self._logprobs(self.model, mb)[0]
+
+    def _logprobs(
+        self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """`model`'s log-prob of each target and entropy per position: both (B, T)."""
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)
+
+    # -- phase 3: advantages ----------------------------------------------------------------------------
+
+    def _attach_advantages(self, plan: StepPlan) -> None:
+        """Advantages per group over this rank's samples, scattered onto each micro-batch (B, T)."""
+        sb = plan.step_batch
+        if sb.rewards.numel() == 0:
+            for mb in plan.micro_batches:
+                mb.extras["advantages"] = torch.zeros_like(mb.loss_mask)
+            return
+        token_rewards = self._token_rewards(plan).to(self.device)
+        mask = sb.completion_mask.to(self.device)
+        algo = self.spec.algorithm
+        estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
+        advantages, _ = estimator(
+            token_rewards, mask, group_size=sb.group_size, gamma=algo.gamma, lam=algo.lam
+        )
+        for mb in plan.micro_batches:
+            empty = _is_empty(mb)
+            mb.extras["advantages"] = (
+                torch.zeros_like(mb.loss_mask) if empty else mb.from_completion_layout(advantages, mask)
+            )
+
+    def _token_rewards(self, plan: StepPlan) -> Tensor:
+        """Outcome rewards (+ overlong penalty) on each completion's last token, minus the KL penalty when
+        the KL is in the reward: (N, Tc) on the CPU."""
+        sb, algo = plan.step_batch, self.spec.algorithm
+        rewards = sb.rewards
+        if algo.overlong.penalty:
+            max_tokens = self.spec.rollout.sampling.max_tokens
+            rewards = rewards + overlong_penalty(sb.lengths, max_tokens, algo.overlong.buffer_tokens)
+        token_rewards = sb.outcome_token_rewards(rewards)
+        if self.reference is not None and algo.kl.mode == "reward":
+            kl = self._completion_kl(plan)
+            token_rewards = apply_kl_penalty(token_rewards, kl, sb.completion_mask, self.kl.value)
+        return token_rewards
+
+    def _completion_kl(self, plan: StepPlan) -> Tensor:
+        """Per-token KL of the pre-update policy to the reference in the completion layout: (N, Tc)."""
+        sb = plan.step_batch
+        kl = torch.zeros_like(sb.completion_mask)
+        estimator = KL_ESTIMATORS[self.spec.algorithm.kl.estimator]
+        for mb in plan.micro_batches:
+            if not _is_empty(mb):
+                per_token = estimator(mb.extras["old_logp"], mb.extras["ref_logp"]) * mb.loss_mask
+                kl[mb.sample_index.cpu()] = mb.to_completion_layout(per_token, kl.shape[1]).cpu()
+        return kl
+
+    # -- phase 4: accumulate ----------------------------------------------------------------------------
+
+    def _accumulate(self, plan: StepPlan) -> dict[str, Tensor]:
+        """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
+        sums: dict[str, Tensor] = {}
+        for mb in plan.micro_batches:
+            for name, value in self._micro_batch_backward(mb, plan.global_count).items():
+                sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value
+        return sums
+
+    def _micro_batch_backward(self, mb: MicroBatch, global_count: float) -> dict[str, Tensor]:
+        """Loss of one micro-batch, weighted into the step's aggregate, backpropagated. Returns sums."""
+        algo, mask = self.spec.algorithm, mb.extras["train_mask"]
+        logp, entropy = self._logprobs(self.model, mb, entropy_grad=algo.entropy_coef != 0)
+        old_logp = mb.extras.get("old_logp", logp.detach())
+        pg_loss, stats = policy_loss(
+            logp, old_logp, mb.extras["advantages"], mask, self.loss_config, mb.rollout_logprobs
+        )
+        kl_tokens = self._kl_tokens(logp, mb)
+        loss = pg_loss + self._kl_loss(kl_tokens, mask) + self._entropy_loss(entropy, mask)
+        weight = self._weight(mb, global_count)
+        (loss * (weight * self.world.size)).backward()
+        tokens = mask.sum()
+        sums = {name: value * tokens for name, value in stats.items()}
+        sums.update(
+            loss=loss.detach() * weight,
+            policy_loss=pg_loss.detach() * weight,
+            kl=masked_sum(kl_tokens.detach(), mask),
+            entropy=masked_sum(entropy.detach(), mask),
+            tokens=tokens,
+        )
+        return sums
+
+    def _weight(self, mb: MicroBatch, global_count: float) -> float:
+        """This micro-batch's share of the step's normaliser: `local_count / global_count`."""
+        if _is_empty(mb):
+            return 0.0
+        local = float(normaliser_count(mb.extras["train_mask"], self.loss_config.aggregation))
+        return local / max(global_count, 1.0)
+
+    def _kl_tokens(self, logp: Tensor, mb: MicroBatch) -> Tensor:
+        """Per-token KL to the reference (with gradient through `logp`), or zeros without one. (B, T)."""
+        if "ref_logp" not in mb.extras:
+            return torch.zeros_like(logp)
+        return KL_ESTIMATORS[self.spec.algorithm.kl.estimator](logp, mb.extras["ref_logp"])
+
+    def _kl_loss(self, kl_tokens: Tensor, mask: Tensor) -> Tensor:
+        """`coef * aggregate(kl)` when the KL is in the loss, else 0."""
+        if self.reference is None or self.spec.algorithm.kl.mode != "loss":
+            return torch.zeros((), device=mask.device)
+        cfg = self.loss_config
+        return self.kl.value * aggregate(kl_tokens, mask, cfg.aggregation, cfg.max_tokens)
+
+    def _entropy_loss(self, entropy: Tensor, mask: Tensor) -> Tensor:
+        """The entropy bonus term (0 when its coefficient is 0)."""
+        coef = self.spec.algorithm.entropy_coef
+        if coef == 0:
+            return torch.zeros((), device=mask.device)
+        return entropy_bonus(entropy, mask, coef, self.loss_config.aggregation, self.loss_config.max_tokens)
+
+    # -- phase 5: optimizer step ------------------------------------------------------------------------
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip the global grad norm, step AdamW and the schedule; returns (grad_norm, lr used)."""
+        clip = self.spec.optim.grad_clip
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(norm), lr
+
+    # -- phase 6: metrics -------------------------------------------------------------------------------
+
+    def _finish_metrics(self, plan: StepPlan, sums: dict[str, Tensor]) -> dict[str, float]:
+        """Sum every statistic over the ranks (one all-reduce) and turn sums into means."""
+        sums = {**sums, **_sample_sums(plan.step_batch, plan.micro_batches, self.device)}
+        names = sorted(sums)
+        totals = all_reduce_sum(torch.stack([sums[n].float() for n in names]), self.world).tolist()
+        total = dict(zip(names, totals, strict=True))
+        return _means(total)
+
+
+def _is_empty(mb: MicroBatch) -> bool:
+    """A padding micro-batch (see `empty_micro_batch`)."""
+    return bool((mb.sample_index < 0).all())
+
+
+def _sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.device) -> dict[str, Tensor]:
+    """Per-sample and per-advantage-token sums of this rank's share, on `device`."""
+    lengths = sb.lengths.float()
+    adv_sum, adv_sq, adv_tokens = (torch.zeros((), device=device) for _ in range(3))
+    for mb in micro_batches:
+        adv_sum = adv_sum + masked_sum(mb.extras["advantages"], mb.loss_mask)
+        adv_sq = adv_sq + masked_sum(mb.extras["advantages"] ** 2, mb.loss_mask)
+        adv_tokens = adv_tokens + mb.loss_mask.sum()
+    return {
+        "samples": torch.tensor(float(sb.rewards.numel()), device=device),
+        "reward_sum": sb.rewards.sum().to(device),
+        "reward_sq": (sb.rewards**2).sum().to(device),
+        "length_sum": lengths.sum().to(device),
+        "adv_sum": adv_sum,
+        "adv_sq": adv_sq,
+        "adv_tokens": adv_tokens,
+    }
+
+
+_TOKEN_MEANS = ("kl", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean")
+_TOKEN_MEANS_OPTIONAL = ("tis_weight_mean", "tis_capped_fraction")
+
+
+def _mean_std(total: float, squares: float, count: float) -> tuple[float, float]:
+    """Mean and (population) standard deviation from a sum, a sum of squares and a count."""
+    n = max(count, 1.0)
+    mean = total / n
+    return mean, math.sqrt(max(squares / n - mean**2, 0.0))
+
+
+def _means(total: dict[str, float]) -> dict[str, float]:
+    """Step metrics from globally summed statistics."""
+    tokens = max(total["tokens"], 1.0)
+    metrics = {"loss": total["loss"], "policy_loss": total["policy_loss"], "tokens": total["tokens"]}
+    for name in (*_TOKEN_MEANS, *(n for n in _TOKEN_MEANS_OPTIONAL if n in total)):
+        metrics[name] = total[name] / tokens
+    metrics["reward_mean"], metrics["reward_std"] = _mean_std(
+        total["reward_sum"], total["reward_sq"], total["samples"]
+    )
+    metrics["advantage_mean"], metrics["advantage_std"] = _mean_std(
+        total["adv_sum"], total["adv_sq"], total["adv_tokens"]
+    )
+    metrics["response_length_mean"] = total["length_sum"] / max(total["samples"], 1.0)
+    metrics["samples"] = total["samples"]
+    return metrics

@@ -1,0 +1,99 @@
+"""FSDP2 under torchrun with gloo: 2 ranks train like 1 rank, and a checkpoint round trip resumes exactly.
+
+The world of one runs as a plain process (the learner's no-torchrun path), concurrently with the
+torchrun world of two."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_train_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TIMEOUT_S = 120
+
+
+def start_worker(nproc: int, model_dir: Path, out: Path) -> subprocess.Popen[bytes]:
+    """Start the worker: under torchrun for 2 ranks, as a plain process (a world of one) for 1.
+
+    Loopback only; the worker leads its own process group so a timeout can kill all of it."""
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    launcher = [str(TORCHRUN), "--standalone", "--nnodes", "1", "--nproc_per_node", str(nproc)]
+    if nproc == 1:
+        launcher = [sys.executable]
+        env.pop("MASTER_ADDR")
+    cmd = [*launcher, str(WORKER), str(model_dir), str(out)]
+    with open(out / "worker.log", "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_worker(proc: subprocess.Popen[bytes], out: Path, deadline: float) -> None:
+    """Wait for the worker until `deadline` (monotonic); on timeout kill the group of the PID we started."""
+    try:
+        rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert rc == 0, (out / "worker.log").read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The worker's output folder for world sizes 1 and 2."""
+    root = tmp_path_factory.mktemp("fsdp")
+    outs = {nproc: root / f"world{nproc}" for nproc in (1, 2)}
+    procs = {nproc: start_worker(nproc, tiny_model_dir, out) for nproc, out in outs.items()}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for nproc, proc in procs.items():
+            wait_worker(proc, outs[nproc], deadline)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return outs
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _assert_same(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], atol: float) -> None:
+    assert left.keys() == right.keys()
+    for name, tensor in left.items():
+        torch.testing.assert_close(right[name], tensor, atol=atol, rtol=0, msg=name)
+
+
+def test_two_ranks_train_like_one(runs: dict[int, Path], tiny_model_dir: Path) -> None:
+    one, two = (json.loads((runs[n] / "metrics.json").read_text()) for n in (1, 2))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    for m1, m2 in zip(one["a"], two["a"], strict=True):
+        assert m2 == pytest.approx(m1, abs=1e-5)
+        assert m2["samples"] == 12
+    state_one, state_two = _load(runs[1] / "a.pt"), _load(runs[2] / "a.pt")
+    _assert_same(state_one, state_two, atol=1e-5)
+    from safetensors.torch import load_file
+
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    moved = max(float((state_two[k] - v).abs().max()) for k, v in initial.items() if k in state_two)
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_checkpoint_round_trip_resumes_exactly(runs: dict[int, Path], nproc: int) -> None:
+    report = json.loads((runs[nproc] / "metrics.json").read_text())
+    assert report["extra"] == {"applied": "0-0,0-1"}
+    for ma, mb in zip(report["a"][2:], report["b"], strict=True):
+        assert mb == pytest.approx(ma, abs=1e-6)
+    _assert_same(_load(runs[nproc] / "a.pt"), _load(runs[nproc] / "b.pt"), atol=1e-6)

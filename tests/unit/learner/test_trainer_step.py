@@ -1,0 +1,244 @@
+"""The training core in one process (a gloo world of one): learning, exact accumulation, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlfabric.common.runspec import RunSpec
+from rlfabric.learner.batch import GroupSamples, Rollout
+from rlfabric.learner.checkpoint import COMPLETE, checkpoint_dir, latest_complete, prune
+from rlfabric.learner.dist import World, init_distributed
+from rlfabric.learner.trainer import Trainer, lr_multiplier
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def world() -> World:
+    return init_distributed(CPU)
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny model (another seed): a reference the policy differs from from the start."""
+    from rlfabric.common.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("reference"), seed=1)
+
+
+def make_spec(model_dir: Path, **overrides: Any) -> RunSpec:
+    """A run spec for the tiny model; `overrides` are nested section dicts."""
+    raw: dict[str, Any] = {
+        "model": {"path": str(model_dir)},
+        "dataset": {"path": "unused.jsonl"},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
+        "optim": {"lr": 5e-3},
+        "train": {"micro_batch_size": 4, "steps": 20},
+    }
+    for section, values in overrides.items():
+        raw.setdefault(section, {}).update(values)
+    return RunSpec.model_validate(raw)
+
+
+def random_groups(seed: int, n_groups: int = 2, n: int = 4) -> list[GroupSamples]:
+    """Groups with varied prompt/completion lengths, rewards and rollout log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(low: int, high: int, size: int) -> list[int]:
+        return torch.randint(low, high, (size,), generator=gen).tolist()
+
+    groups = []
+    for _ in range(n_groups):
+        prompt = ints(6, 100, int(torch.randint(2, 7, (1,), generator=gen)))
+        rollouts = []
+        for _ in range(n):
+            length = int(torch.randint(1, 9, (1,), generator=gen))
+            logprobs = (-torch.rand(length, generator=gen) * 3).tolist()
+            reward = float(torch.randint(0, 2, (1,), generator=gen))
+            rollouts.append(Rollout(ints(6, 100, length), logprobs, reward))
+        groups.append(GroupSamples(prompt, rollouts))
+    return groups
+
+
+def test_sequence_logprobs_match_a_plain_forward_pass(tiny_model_dir: Path, world: World) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(make_spec(tiny_model_dir), tiny_model_dir, device=CPU, world=world)
+    groups = random_groups(0, n_groups=1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    expected = []
+    for rollout in groups[0].rollouts:
+        ids = torch.tensor([groups[0].prompt_token_ids + rollout.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0], dim=-1)
+        p = len(groups[0].prompt_token_ids)
+        expected.append(sum(float(logp[p - 1 + j, tok]) for j, tok in enumerate(rollout.token_ids)))
+    assert trainer.sequence_logprobs(groups).tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_grpo_raises_the_rewarded_completion_over_the_unrewarded_one(
+    tiny_model_dir: Path, world: World
+) -> None:
+    trainer = Trainer(make_spec(tiny_model_dir), tiny_model_dir, device=CPU, world=world)
+    prompt, good, bad = [10, 11, 12], [40, 41, 42, 43], [50, 51, 52, 53]
+    group = GroupSamples(
+        prompt, [Rollout(good, [-4.0] * 4, 1.0), Rollout(bad, [-4.0] * 4, 0.0)] * 2, group_id="g"
+    )
+    before = trainer.sequence_logprobs([group])
+    for _ in range(4):
+        metrics = trainer.train_step([group])
+    after = trainer.sequence_logprobs([group])
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0
+    assert after[0] > before[0]
+    assert metrics["reward_mean"] == pytest.approx(0.5)
+    assert metrics["tokens"] == 16
+    assert metrics["samples"] == 4
+    assert metrics["grad_norm"] > 0
+    assert trainer.step == trainer.policy_version == 4
+
+
+def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor().clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "kl_mode"),
+    [("token_mean", "loss"), ("token_mean", "reward"), ("seq_mean_token_mean", "loss"), ("constant", "loss")],
+)
+def test_accumulating_over_micro_batches_gives_the_same_gradient(
+    tiny_model_dir: Path, reference_dir: Path, world: World, aggregation: str, kl_mode: str
+) -> None:
+    groups = random_groups(1)
+    algorithm = {"loss_aggregation": aggregation, "entropy_coef": 0.01, "kl": {"coef": 0.1, "mode": kl_mode}}
+    model = {"path": str(tiny_model_dir), "reference_path": str(reference_dir)}
+    grads, metrics = [], []
+    for micro in (8, 2):
+        spec = make_spec(tiny_model_dir, model=model, algorithm=algorithm, train={"micro_batch_size": micro})
+        trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+        metrics.append(trainer.accumulate_gradients(groups))
+        grads.append(_grads(trainer))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0, msg=name)
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-6)
+    assert metrics[1]["entropy"] == pytest.approx(metrics[0]["entropy"], abs=1e-5)
+    assert metrics[0]["kl"] > 1e-3
+    assert metrics[1]["kl"] == pytest.approx(metrics[0]["kl"], abs=1e-5)
+
+
+def test_checkpoint_resume_reproduces_the_following_steps(
+    tiny_model_dir: Path, world: World, tmp_path: Path
+) -> None:
+    spec = make_spec(
+        tiny_model_dir, optim={"warmup_steps": 2, "schedule": "cosine"}, algorithm={"kl": {"coef": 0.05}}
+    )
+    batches = [random_groups(seed) for seed in range(4)]
+    a = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    for groups in batches[:2]:
+        a.train_step(groups)
+    path = a.save_checkpoint(tmp_path, extra={"ledger": b"\x00\x01", "note": "two"})
+    metrics_a = [a.train_step(groups) for groups in batches[2:]]
+
+    b = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    assert b.load_checkpoint(path) == {"ledger": b"\x00\x01", "note": "two"}
+    assert (b.step, b.policy_version) == (2, 2)
+    metrics_b = [b.train_step(groups) for groups in batches[2:]]
+
+    for ma, mb in zip(metrics_a, metrics_b, strict=True):
+        assert mb == pytest.approx(ma, abs=1e-6)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pb.full_tensor(), pa.full_tensor(), atol=1e-6, rtol=0, msg=name)
+    state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    for key, sa in state_a.items():
+        assert state_b[key]["step"] == sa["step"]
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                state_b[key][name].full_tensor(), sa[name].full_tensor(), atol=1e-6, rtol=0
+            )
+    assert b.scheduler.get_last_lr() == pytest.approx(a.scheduler.get_last_lr())
+
+
+def test_checkpoint_files_load_without_pickle(tiny_model_dir: Path, world: World, tmp_path: Path) -> None:
+    trainer = Trainer(make_spec(tiny_model_dir), tiny_model_dir, device=CPU, world=world)
+    path = trainer.save_checkpoint(tmp_path)
+    assert path == checkpoint_dir(tmp_path, 0) and (path / COMPLETE).is_file()
+    assert not list(tmp_path.glob("*.tmp"))
+    json.loads((path / "meta.json").read_text())
+    for rng in path.glob("rng-*.pt"):
+        torch.load(rng, weights_only=True)
+
+
+def test_latest_complete_ignores_unfinished_checkpoints_and_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 5):
+        checkpoint_dir(tmp_path, step).mkdir()
+        (checkpoint_dir(tmp_path, step) / COMPLETE).write_text("{}")
+    (tmp_path / "step-000004.tmp").mkdir()
+    (tmp_path / "step-000006.tmp").mkdir()
+    checkpoint_dir(tmp_path, 7).mkdir()  # no marker: not complete
+    assert latest_complete(tmp_path) == checkpoint_dir(tmp_path, 5)
+    removed = prune(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["step-000001", "step-000002", "step-000004.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000003",
+        "step-000005",
+        "step-000006.tmp",
+        "step-000007",
+    ]
+    assert latest_complete(tmp_path / "missing") is None
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    optim = make_spec(Path("m"), optim={"warmup_steps": 4, "schedule": "linear"}).optim
+    assert [lr_multiplier(s, optim, 12) for s in (0, 3, 4, 8, 12)] == pytest.approx([0.25, 1, 1, 0.5, 0])
+    cosine = make_spec(Path("m"), optim={"schedule": "cosine"}).optim
+    assert lr_multiplier(5, cosine, 10) == pytest.approx(0.5)
+
+
+def test_chunked_logprobs_and_entropy_match_a_full_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfabric.learner import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "LOGPROB_CHUNK", 3)
+    logits = torch.randn(2, 7, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 7))
+    logp, entropy = trainer_module.token_logprobs_and_entropy(logits, targets, entropy_grad=False)
+    full = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(logp, full.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach())
+    assert logp.requires_grad and not entropy.requires_grad
+
+
+def test_activation_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, world: World) -> None:
+    groups = random_groups(2)
+    grads = []
+    for checkpointing in (False, True):
+        spec = make_spec(tiny_model_dir, train={"activation_checkpointing": checkpointing})
+        trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+        trainer.accumulate_gradients(groups)
+        grads.append(_grads(trainer))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_several_epochs_step_once_and_see_a_moved_policy(tiny_model_dir: Path, world: World) -> None:
+    spec = make_spec(tiny_model_dir, algorithm={"ppo_epochs": 3})
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    metrics = trainer.train_step(random_groups(3))
+    assert trainer.step == 1
+    assert trainer.scheduler.last_epoch == 3
+    assert metrics["approx_kl"] > 0  # the last epoch's ratios are no longer 1
+
+
+def test_truncated_completions_can_be_masked_out_of_the_loss(tiny_model_dir: Path, world: World) -> None:
+    spec = make_spec(
+        tiny_model_dir, algorithm={"overlong": {"mask_truncated": True, "penalty": True, "buffer_tokens": 4}}
+    )
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    cut = Rollout([20] * 16, [-1.0] * 16, 1.0, finish_reason="length")
+    done = Rollout([21] * 3, [-1.0] * 3, 0.0)
+    metrics = trainer.train_step([GroupSamples([10, 11], [cut, done, cut, done])])
+    assert metrics["tokens"] == 6
+    assert metrics["response_length_mean"] == pytest.approx(9.5)
