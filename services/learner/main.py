@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -150,7 +151,7 @@ class Learner:
         self.set_state(learner_pb2.LEARNER_STATE_PUBLISHING)
         await self.persist_if_due(metrics)
         await self.publish(metrics)
-        self.report(metrics, len(groups))
+        await self.report(metrics, len(groups))
 
     async def persist_if_due(self, metrics: dict[str, float]) -> None:
         due = (
@@ -173,16 +174,41 @@ class Learner:
         if self.world.is_main:
             metrics["publish_seconds"] = await self.publisher.publish(self.version, state_dict)
 
-    def report(self, metrics: dict[str, float], groups: int) -> None:
+    async def report(self, metrics: dict[str, float], groups: int) -> None:
+        """One row per step: metrics.jsonl, the run's Redis metrics stream, and GetStatus."""
         if not self.world.is_main:
             return
         counters = self.source.counters
         counters.trained += groups
-        queue = self.source.consumer.counters
-        row = {"step": self.trainer.step, "policy_version": self.version, "time": time.time(), **metrics}
-        row.update(groups_trained=counters.trained, groups_dropped_stale=counters.dropped_stale)
-        row.update({f"queue_{k}": v for k, v in queue.as_dict().items()})
+        row = self.build_row(metrics, counters)
+        row.update(await self.take_eval_results())
         write_metrics(self.paths.metrics, row)
+        await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
+        self.update_status(metrics, counters)
+
+    def build_row(self, metrics: dict[str, float], counters: Any) -> dict[str, Any]:
+        step_staleness = list(counters.staleness) or [0]  # the lags of this step's groups
+        counters.staleness.clear()
+        seconds = metrics.get("step_seconds", 0.0)
+        row: dict[str, Any] = {"step": self.trainer.step, "policy_version": self.version, "time": time.time()}
+        row.update(metrics)
+        row["tokens_per_s"] = metrics.get("tokens", 0.0) / seconds if seconds else 0.0
+        row["staleness_mean"] = sum(step_staleness) / len(step_staleness)
+        row.update(groups_trained=counters.trained, groups_dropped_stale=counters.dropped_stale)
+        row.update({f"queue_{k}": v for k, v in self.source.consumer.counters.as_dict().items()})
+        return row
+
+    async def take_eval_results(self) -> dict[str, float]:
+        """Held-out results the coordinator pushed since the last row (the latest one wins)."""
+        key = f"rlfabric:{self.config.run_id}:eval"
+        raw = await self.redis.lpop(key, 1000)
+        if not raw:
+            return {}
+        latest = json.loads(raw[-1])
+        return {"eval_reward_mean": latest["reward_mean"], "eval_policy_version": latest["policy_version"]}
+
+    def update_status(self, metrics: dict[str, float], counters: Any) -> None:
+        queue = self.source.consumer.counters
         msg = self.status.message
         msg.step, msg.policy_version = self.trainer.step, self.version
         msg.groups_trained, msg.groups_dropped_stale = counters.trained, counters.dropped_stale

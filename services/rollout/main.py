@@ -83,6 +83,8 @@ class Parts:
     replica_id: str = ""
     address: str = ""
     heartbeat: Heartbeat | None = None
+    servicer: RolloutServicer | None = None
+    redis: Any = None
 
     def entry(self) -> ReplicaEntry:
         return ReplicaEntry(
@@ -128,6 +130,7 @@ async def start_server(parts: Parts) -> None:
         update_timeout_s=config.update_timeout_s,
         on_serving_change=on_serving_change,
     )
+    parts.servicer = servicer
     parts.server.add_servicer(
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE, serving=False
     )
@@ -155,15 +158,40 @@ async def load_initial_weights(parts: Parts) -> None:
 
 
 async def start_heartbeat(parts: Parts) -> None:
+    """Registers the replica in Redis (when configured) and keeps the entry alive."""
     if parts.config.redis is None:
         return
     import redis.asyncio as aioredis
 
-    client = aioredis.Redis.from_url(
+    parts.redis = aioredis.Redis.from_url(
         parts.config.redis.url, socket_timeout=parts.config.redis.socket_timeout_s
     )
-    parts.heartbeat = Heartbeat(client, parts.config.run_id, parts.entry, parts.config.heartbeat_s)
+    parts.heartbeat = Heartbeat(parts.redis, parts.config.run_id, parts.entry, parts.config.heartbeat_s)
     await parts.heartbeat.start()
+
+
+async def follow_versions(parts: Parts) -> None:
+    """Loads each version the learner announces in `rlfabric:{run}:version` from the run's object store.
+    A version that fails (it does not verify, it was pruned) is skipped until a newer one is announced."""
+    assert parts.servicer is not None and parts.redis is not None
+    key, failed = f"rlfabric:{parts.config.run_id}:version", -1
+    while True:
+        await asyncio.sleep(parts.config.version_poll_s)
+        try:
+            announced = int(await parts.redis.get(key) or 0)
+        except Exception:  # tolerated: Redis may be restarting; retried at the next poll
+            log.warning("could not read the announced version", exc_info=True)
+            continue
+        if announced <= (parts.replica.version or 0) or announced == failed:
+            continue
+        request = rollout_pb2.UpdateWeightsRequest(
+            version=announced, object_store=rollout_pb2.ObjectStoreSource()
+        )
+        try:
+            await parts.servicer.apply(request)
+        except Exception:  # tolerated and counted in the log: the old version keeps serving
+            failed = announced
+            log.exception("could not load announced version %s; the old version keeps serving", announced)
 
 
 async def export_metrics(parts: Parts) -> None:
@@ -187,13 +215,16 @@ async def run(config: RolloutServiceConfig) -> None:
     parts = assemble(config)
     await start_server(parts)
     parts.server.install_signal_handlers()
-    metrics = asyncio.get_running_loop().create_task(export_metrics(parts))
+    tasks = [asyncio.get_running_loop().create_task(export_metrics(parts))]
     try:
         await load_initial_weights(parts)
         await start_heartbeat(parts)
+        if parts.redis is not None and config.run_id and config.weights_root:
+            tasks.append(asyncio.get_running_loop().create_task(follow_versions(parts)))
         await parts.server.wait_for_termination()
     finally:
-        metrics.cancel()
+        for task in tasks:
+            task.cancel()
         if parts.heartbeat is not None:
             with contextlib.suppress(Exception):
                 await parts.heartbeat.stop()

@@ -66,6 +66,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
         check_bearer(context, self.learner_token)
+        return await self.apply(request)
+
+    async def apply(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        """An update already authorised (by the RPC's token, or because the replica itself decided to
+        follow the run's announced version)."""
         current = self.replica.version
         if current is not None and request.version <= current:
             if request.version < current:

@@ -401,3 +401,33 @@ async def test_mismatched_broadcast_is_refused_and_the_sender_fails_fast(
     with pytest.raises(broadcast.BroadcastError):
         await asyncio.wait_for(sent, 30)
     assert {s.policy_version for s in await collect(replica, request(n=1))} == {0}
+
+
+async def test_replica_follows_the_announced_version(
+    tiny_model_dir: Path, tmp_path: Path, other_model: Path, redis_url: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    from rlfabric.rollout.main import follow_versions, start_heartbeat
+
+    root = tmp_path / "w"
+    config = config_for(tiny_model_dir, root, f"redis.url={redis_url}", "run_id=run-f", "version_poll_s=0.1")
+    parts = await started(config)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await load_initial_weights(parts)
+        await start_heartbeat(parts)
+        follower = asyncio.get_running_loop().create_task(follow_versions(parts))
+        store.publish_version(str(root), 1, state_dict_of(other_model))
+        await client.set("rlfabric:run-f:version", 1)
+        for _ in range(100):
+            if parts.replica.version == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert parts.replica.version == 1
+        assert {s.policy_version for s in await collect(parts, request(n=1))} == {1}
+        follower.cancel()
+    finally:
+        await client.aclose()
+        await parts.heartbeat.stop()  # type: ignore[union-attr]
+        await shutdown(parts)
