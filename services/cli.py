@@ -146,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     from rlfabric.common import tiny_model
 
     tiny_model.add_arguments(tiny)
+    up = sub.add_parser(
+        "up",
+        help="run everything on this machine: redis, reward, rollout, learner, coordinator, and a run",
+        description="Start every service as its own process on loopback, submit a run (the built-in demo "
+        "when no run file is given), show its progress, and stop everything at the end or on Ctrl-C.",
+    )
+    from rlfabric import up as up_cmd
+
+    up_cmd.add_arguments(up)
+    runs = sub.add_parser("runs", help="submit, list, inspect and stop runs on a running coordinator")
+    from rlfabric.coordinator import runs_cli
+
+    runs_cli.add_arguments(runs)
     reward = sub.add_parser("reward", help="score files with the reward scorers, in-process or on a service")
     from rlfabric.reward import cli as reward_cli
 
@@ -207,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "config":
             return run_config(args)
+        if args.command == "up":
+            from rlfabric import up as up_cmd
+
+            return up_cmd.run(args)
+        if args.command == "runs":
+            from rlfabric.coordinator import runs_cli
+
+            return runs_cli.run(args)
         if args.command == "reward":
             from rlfabric.reward import cli as reward_cli
 

@@ -32,7 +32,11 @@ class ModelSpec(StrictModel):
     """Local folder or hub id of the policy, loaded with transformers / vLLM (weights never downloaded by
     tests: they build tiny models with `rlfabric make-tiny-model`)."""
     reference_path: str | None = None
-    """Reference model for the KL penalty; defaults to `path`. Not loaded when the KL coefficient is 0."""
+    """Reference model for the KL penalty; defaults to `path`. Online runs do not load it when the KL
+    coefficient is 0; offline preference runs always do."""
+    critic_path: str | None = None
+    """Causal LM whose transformer backbone (LM head dropped, a fresh scalar value head added) is the PPO
+    critic; defaults to `path`. Loaded only with the gae estimator."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: auto is bfloat16 on GPU and float32 on CPU."""
     max_model_len: int = Field(default=2048, ge=16)
@@ -184,6 +188,21 @@ class AlgorithmSpec(StrictModel):
     """GAE lambda (gae only)."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Optimisation passes over each batch."""
+    value_coef: float = 0.5
+    """Weight of the critic's value loss (gae only, where it must be > 0). The critic has its own
+    optimiser, so this scales only the critic's gradient, before its clipping."""
+    value_clip: float | None = Field(default=0.2, gt=0.0)
+    """The critic's new values may move at most this far from the old ones in the value loss (PPO2's
+    value clipping, on the raw return scale); None disables it (gae only)."""
+
+    @model_validator(mode="after")
+    def _gae_trains_a_critic(self) -> AlgorithmSpec:
+        if self.advantage == "gae" and self.value_coef <= 0:
+            raise ValueError(
+                f"algorithm.value_coef must be > 0 with advantage 'gae': the critic is trained only by the"
+                f" value loss (got {self.value_coef})"
+            )
+        return self
 
 
 class OptimSpec(StrictModel):
@@ -200,7 +219,15 @@ class OptimSpec(StrictModel):
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up."""
     grad_clip: float | None = Field(default=1.0, gt=0.0)
-    """Max global gradient norm; None disables clipping."""
+    """Max global gradient norm; None disables clipping. The critic's norm is clipped separately."""
+    critic_lr: float | None = Field(default=None, gt=0.0)
+    """Peak learning rate of the critic (gae only), on the same schedule; None is 10 x `lr` (a fresh
+    value head must move faster than a pre-trained policy)."""
+
+    @property
+    def critic_peak_lr(self) -> float:
+        """`critic_lr`, or its default of 10 x `lr`."""
+        return self.critic_lr if self.critic_lr is not None else 10.0 * self.lr
 
 
 class TrainSpec(StrictModel):
@@ -209,7 +236,7 @@ class TrainSpec(StrictModel):
     steps: int = Field(default=100, ge=1)
     """Optimizer steps in the run."""
     groups_per_step: int = Field(default=8, ge=1)
-    """Scored groups consumed per step."""
+    """Scored groups consumed per step; in `offline_preference` mode, preference pairs per step."""
     micro_batch_size: int = Field(default=8, ge=1)
     """Sequences per forward/backward; gradients are accumulated over the step."""
     checkpoint_every: int = Field(default=10, ge=1)
@@ -231,6 +258,24 @@ class WeightsSpec(StrictModel):
     """Broadcast bucket size."""
     keep_versions: int = Field(default=3, ge=1)
     """Published versions kept in the object store (older ones are deleted)."""
+
+
+class PreferenceSpec(StrictModel):
+    """Offline preference training (`mode = "offline_preference"`): the loss and the dataset's columns.
+
+    The dataset's `prompt_field` holds the prompt (a string or chat messages). A micro-batch holds
+    `train.micro_batch_size // 2` pairs (at least one): a pair's two completions share a forward pass."""
+
+    loss: Literal["dpo", "ipo"] = "dpo"
+    """dpo: sigmoid DPO on summed completion log-probs; ipo: IPO on per-token mean log-probs."""
+    beta: float = Field(default=0.1, gt=0.0)
+    """Strength of the implicit KL to the reference (DPO's temperature; IPO's margin is 1 / (2 beta))."""
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
+    """DPO only: probability that a pair's labels are flipped (conservative DPO)."""
+    chosen_field: str = "chosen"
+    """Column with the preferred completion (a string)."""
+    rejected_field: str = "rejected"
+    """Column with the dispreferred completion (a string)."""
 
 
 class RunSpec(StrictModel):
@@ -256,6 +301,11 @@ class RunSpec(StrictModel):
     """Learner schedule."""
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     """Weight publishing."""
+    mode: Literal["online", "offline_preference"] = "online"
+    """online: RL on scored groups from the rollout and reward services; offline_preference: DPO/IPO on a
+    fixed dataset of (prompt, chosen, rejected) pairs, no rollout or reward service needed."""
+    preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
+    """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunSpec:

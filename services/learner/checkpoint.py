@@ -1,10 +1,10 @@
 """Resumable learner checkpoints: sharded model and optimizer, scheduler, RNG, step and the caller's ledger.
 
 Layout of `<root>/step-000012/`:
-- torch.distributed.checkpoint (DCP) shards: tensors only (`model.*`, `optim.*`: each rank writes its
-  shards, so saving never gathers the model);
-- `meta.json` (rank 0): step, policy version, scheduler state, optimizer param groups, trainer scalars
-  and the caller's opaque `extra` (bytes base64-encoded);
+- torch.distributed.checkpoint (DCP) shards: tensors only (`model.*`, `optim.*`, and with a PPO critic
+  `critic.model.*`, `critic.optim.*`: each rank writes its shards, so saving never gathers the model);
+- `meta.json` (rank 0): step, policy version, scheduler state, optimizer param groups (the critic's under
+  `critic`), trainer scalars and the caller's opaque `extra` (bytes base64-encoded);
 - `rng-00000.pt` per rank: torch CPU (and CUDA) RNG states as uint8 tensors, python `random` state as a
   JSON string; read back with `torch.load(weights_only=True)`;
 - `COMPLETE`, written last.
@@ -59,6 +59,8 @@ class TrainObjects:
     model: nn.Module
     optimizer: Optimizer
     scheduler: LRScheduler
+    critic: TrainObjects | None = None
+    """The PPO critic's model, optimizer and schedule, when the run trains one."""
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -77,12 +79,12 @@ def save_checkpoint(root: str | Path, state: CheckpointState, objects: TrainObje
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(world)
-    model_sd, optim_sd = get_state_dict(objects.model, objects.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd["state"]}, checkpoint_id=tmp)
+    tensors, groups = _tensor_state(objects)
+    dcp.save(tensors, checkpoint_id=tmp)
     torch.save(_rng_state(), tmp / _rng_name(world.rank))
     barrier(world)
     if world.is_main:
-        _write_meta(tmp, state, objects.scheduler, optim_sd["param_groups"])
+        _write_meta(tmp, state, objects, groups)
         (tmp / COMPLETE).write_text(json.dumps({"step": state.step}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -90,16 +92,34 @@ def save_checkpoint(root: str | Path, state: CheckpointState, objects: TrainObje
     return final
 
 
-def _write_meta(folder: Path, state: CheckpointState, scheduler: LRScheduler, param_groups: Any) -> None:
+def _tensor_state(objects: TrainObjects) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DCP tree of model and optimizer tensors (the critic's under `critic`) and the optimizers'
+    param groups, keyed alike ("policy", "critic")."""
+    model_sd, optim_sd = get_state_dict(objects.model, objects.optimizer)
+    tensors: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
+    groups = {"policy": optim_sd["param_groups"]}
+    if objects.critic is not None:
+        critic_model, critic_optim = get_state_dict(objects.critic.model, objects.critic.optimizer)
+        tensors["critic"] = {"model": critic_model, "optim": critic_optim["state"]}
+        groups["critic"] = critic_optim["param_groups"]
+    return tensors, groups
+
+
+def _write_meta(folder: Path, state: CheckpointState, objects: TrainObjects, groups: dict[str, Any]) -> None:
     """`meta.json`: every non-tensor part of the checkpoint."""
     meta = {
         "step": state.step,
         "policy_version": state.policy_version,
-        "scheduler": scheduler.state_dict(),
-        "param_groups": param_groups,
+        "scheduler": objects.scheduler.state_dict(),
+        "param_groups": groups["policy"],
         "trainer": state.trainer,
         "extra": _encode_extra(state.extra),
     }
+    if objects.critic is not None:
+        meta["critic"] = {
+            "scheduler": objects.critic.scheduler.state_dict(),
+            "param_groups": groups["critic"],
+        }
     (folder / META).write_text(json.dumps(meta))
 
 
@@ -143,12 +163,13 @@ def load_checkpoint(path: str | Path, objects: TrainObjects, world: World) -> Ch
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint")
     meta = json.loads((path / META).read_text())
-    model_sd, optim_sd = get_state_dict(objects.model, objects.optimizer)
-    optim_state = optim_sd["state"]
-    dcp.load({"model": model_sd, "optim": optim_state}, checkpoint_id=path)  # in place
-    optim_sd = {"state": optim_state, "param_groups": _param_groups(meta["param_groups"])}
-    set_state_dict(objects.model, objects.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    objects.scheduler.load_state_dict(meta["scheduler"])
+    if objects.critic is not None and "critic" not in meta:
+        raise ValueError(f"{path} has no critic: it was not written by a run with a critic (gae)")
+    tensors, _ = _tensor_state(objects)
+    dcp.load(tensors, checkpoint_id=path)  # in place
+    _restore_objects(objects, tensors, meta)
+    if objects.critic is not None:
+        _restore_objects(objects.critic, tensors["critic"], meta["critic"])
     _restore_rng(path, world.rank)
     return CheckpointState(
         step=meta["step"],
@@ -156,6 +177,16 @@ def load_checkpoint(path: str | Path, objects: TrainObjects, world: World) -> Ch
         extra=_decode_extra(meta["extra"]),
         trainer=meta["trainer"],
     )
+
+
+def _restore_objects(objects: TrainObjects, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Load one model/optimizer/scheduler from its loaded DCP `tensors` and `meta` (param groups and
+    scheduler state)."""
+    optim_sd = {"state": tensors["optim"], "param_groups": _param_groups(meta["param_groups"])}
+    set_state_dict(
+        objects.model, objects.optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_sd
+    )
+    objects.scheduler.load_state_dict(meta["scheduler"])
 
 
 def _param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -146,6 +146,7 @@ class StepSource:
         )
         await self.consumer.ack([delivery.entry_id])
         self.counters.dropped_stale += 1
+        log.info("dropped stale group %s (lag %d)", delivery.group.group_id, lag)
 
 
 class Publisher:

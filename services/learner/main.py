@@ -129,6 +129,8 @@ class Learner:
         deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
         if deliveries:
             failpoints.hit("learner.after_read")
+        elif await self.redis.exists(f"rlfabric:{self.config.run_id}:stop_requested"):
+            return None  # the run was stopped (or its prompts ran out) and nothing is left to train
         return deliveries
 
     def encode(self, deliveries: list[Delivery] | None) -> list[bytes] | None:
@@ -171,6 +173,8 @@ class Learner:
 
     async def publish(self, metrics: dict[str, float]) -> None:
         state_dict = await asyncio.to_thread(self.trainer.full_state_dict)  # collective
+        if getattr(self.trainer.model.config, "tie_word_embeddings", False):
+            state_dict.pop("lm_head.weight", None)  # tied to the embeddings: checkpoints leave it out
         if self.world.is_main:
             metrics["publish_seconds"] = await self.publisher.publish(self.version, state_dict)
 
@@ -184,6 +188,7 @@ class Learner:
         row.update(await self.take_eval_results())
         write_metrics(self.paths.metrics, row)
         await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
+        await self.redis.set(f"rlfabric:{self.config.run_id}:step", self.trainer.step)
         self.update_status(metrics, counters)
 
     def build_row(self, metrics: dict[str, float], counters: Any) -> dict[str, Any]:
@@ -201,7 +206,7 @@ class Learner:
     async def take_eval_results(self) -> dict[str, float]:
         """Held-out results the coordinator pushed since the last row (the latest one wins)."""
         key = f"rlfabric:{self.config.run_id}:eval"
-        raw = await self.redis.lpop(key, 1000)
+        raw: list[bytes] | None = await self.redis.lpop(key, 1000)  # type: ignore[assignment]
         if not raw:
             return {}
         latest = json.loads(raw[-1])
@@ -234,6 +239,10 @@ class Learner:
 
 
 def serve(config: LearnerServiceConfig) -> int:
+    if config.run.mode == "offline_preference":
+        from rlfabric.learner.offline import serve_offline
+
+        return serve_offline(config)
     setup_logging("learner", config.log.level, config.log.format)
     setup_tracing("rlfabric-learner")
     world = init_distributed()

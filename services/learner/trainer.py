@@ -3,11 +3,12 @@
 `Trainer.train_step(groups)` runs in named phases:
 1. plan: this rank's share of the groups (whole groups, round-robin), its micro-batches (as many on every
    rank: FSDP collectives need it) and the global loss normaliser (all-reduced);
-2. frozen pass: reference log-probs (KL) and, when needed, the pre-update policy log-probs;
+2. frozen pass: reference log-probs (KL), when needed the pre-update policy log-probs, and with a critic
+   (gae) its pre-update values;
 3. advantages: per group, over the step's samples, in the completion layout, then scattered onto each
-   micro-batch's target positions;
-4. accumulate: forward and backward per micro-batch;
-5. optimizer step: grad clipping, AdamW, LR schedule;
+   micro-batch's target positions (with gae, the critic's returns too);
+4. accumulate: forward and backward per micro-batch (the policy's, then the critic's value loss);
+5. optimizer step: grad clipping, AdamW, LR schedule (the critic's separately: `critic.py`);
 6. metrics: one all-reduce of every summed statistic.
 
 Gradient accumulation is exact: each micro-batch's aggregated loss is re-weighted by
@@ -16,7 +17,7 @@ Gradient accumulation is exact: each micro-batch's aggregated loss is re-weighte
 every rank. The result equals aggregating the whole step at once, however it is cut. FSDP averages
 gradients over ranks, so each rank's loss is also multiplied by the world size.
 
-Advantage estimators that whiten over the batch (`reinforce_pp`) see this rank's share of the step;
+Advantage estimators that whiten over the batch (`reinforce_pp`, `gae`) see this rank's share of the step;
 group estimators (GRPO, Dr.GRPO, RLOO) are unaffected by the split.
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -32,8 +33,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.optim import AdamW
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim import AdamW, Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from rlfabric.common.runspec import OptimSpec, RunSpec
 from rlfabric.learner.algorithms import (
@@ -58,6 +59,7 @@ from rlfabric.learner.batch import (
     shard_groups,
 )
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
+from rlfabric.learner.critic import Critic, ValueLossConfig, critic_metrics, load_value_model
 from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, shard_model
 
 LOGPROB_CHUNK = 1024
@@ -117,11 +119,13 @@ def lr_multiplier(step: int, optim: OptimSpec, total_steps: int) -> float:
     return 1.0
 
 
-def build_optimizer(model: nn.Module, spec: RunSpec) -> tuple[AdamW, LambdaLR]:
-    """AdamW over the trainable parameters and its LR schedule from `spec.optim`."""
+def build_optimizer(model: nn.Module, spec: RunSpec, lr: float | None = None) -> tuple[AdamW, LambdaLR]:
+    """AdamW over the trainable parameters and its LR schedule from `spec.optim`; peak `lr` (default
+    `optim.lr`)."""
     optim = spec.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    peak = optim.lr if lr is None else lr
+    optimizer = AdamW(params, lr=peak, betas=optim.betas, weight_decay=optim.weight_decay)
 
     total_steps = spec.train.steps * spec.algorithm.ppo_epochs  # each epoch is an optimizer step
 
@@ -129,6 +133,20 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> tuple[AdamW, LambdaLR]:
         return lr_multiplier(step, optim, total_steps)
 
     return optimizer, LambdaLR(optimizer, schedule)
+
+
+def clip_and_step(
+    model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler, clip: float | None
+) -> tuple[float, float]:
+    """Clip `model`'s global grad norm, step `optimizer` and `scheduler`; returns (grad_norm, lr used)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    lr = float(scheduler.get_last_lr()[0])
+    optimizer.step()
+    scheduler.step()
+    return float(norm), lr
 
 
 def policy_loss_config(spec: RunSpec) -> PolicyLossConfig:
@@ -175,8 +193,6 @@ class Trainer:
     def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
         self.spec, self.world, self.device = spec, world, device
         algo = spec.algorithm
-        if algo.advantage == "gae":
-            raise NotImplementedError("the gae estimator needs a critic, which this trainer does not train")
         random.seed(spec.train.seed)
         torch.manual_seed(spec.train.seed)
         self.dtype = compute_dtype(spec.model.dtype, device)
@@ -187,6 +203,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
         self.kl = make_kl_controller(algo.kl.coef, algo.kl.target, algo.kl.horizon)
         self.loss_config = policy_loss_config(spec)
+        self.critic = self._load_critic(model_path)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.step = 0
         self.policy_version = 0
@@ -197,6 +214,23 @@ class Trainer:
             return None
         path = self.spec.model.reference_path or model_path
         return load_model(path, self.device, self.dtype, trainable=False, checkpointing=False)
+
+    def _load_critic(self, model_path: str | Path) -> Critic | None:
+        """The PPO critic and its optimiser, only with the gae estimator."""
+        spec = self.spec
+        if spec.algorithm.advantage != "gae":
+            return None
+        path = spec.model.critic_path or model_path
+        checkpointing = spec.train.activation_checkpointing
+        model = load_value_model(path, self.device, self.dtype, checkpointing=checkpointing)
+        optimizer, scheduler = build_optimizer(model, spec, lr=spec.optim.critic_peak_lr)
+        config = ValueLossConfig(
+            coef=spec.algorithm.value_coef,
+            clip_eps=spec.algorithm.value_clip,
+            aggregation=self.loss_config.aggregation,
+            max_tokens=self.loss_config.max_tokens,
+        )
+        return Critic(model, optimizer, scheduler, config)
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -209,11 +243,11 @@ class Trainer:
             raise ValueError("a train step needs at least one group")
         plan = self.plan(groups)
         for _ in range(self.spec.algorithm.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             sums = self._accumulate(plan)
-            grad_norm, lr = self._optimizer_step()
+            steps = self._optimizer_step()
         metrics = self._finish_metrics(plan, sums)
-        metrics.update(grad_norm=grad_norm, lr=lr)
+        metrics.update(steps)
         self.kl.update(metrics.get("kl", 0.0), int(metrics["samples"]))
         self.step += 1
         self.policy_version += 1
@@ -221,7 +255,7 @@ class Trainer:
 
     def accumulate_gradients(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
         """Phases 1-4 and 6 only: leave the step's gradients in `.grad` without stepping (for tests)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         plan = self.plan(groups)
         return self._finish_metrics(plan, self._accumulate(plan))
 
@@ -268,7 +302,8 @@ class Trainer:
         return state.extra
 
     def _train_objects(self) -> TrainObjects:
-        return TrainObjects(self.model, self.optimizer, self.scheduler)
+        critic = self.critic.train_objects() if self.critic is not None else None
+        return TrainObjects(self.model, self.optimizer, self.scheduler, critic)
 
     # -- phase 1: plan ----------------------------------------------------------------------------------
 
@@ -298,7 +333,8 @@ class Trainer:
 
     @torch.no_grad()
     def _frozen_pass(self, plan: StepPlan) -> None:
-        """Reference log-probs (KL) and pre-update policy log-probs (several epochs, KL in the reward)."""
+        """Reference log-probs (KL), pre-update policy log-probs (several epochs, KL in the reward) and the
+        critic's pre-update values (gae)."""
         kl = self.spec.algorithm.kl
         need_old = self.spec.algorithm.ppo_epochs > 1 or (self.reference is not None and kl.mode == "reward")
         for mb in plan.micro_batches:
@@ -306,6 +342,8 @@ class Trainer:
                 mb.extras["ref_logp"] = self._logprobs(self.reference, mb)[0]
             if need_old:
                 mb.extras["old_logp"] = self._logprobs(self.model, mb)[0]
+            if self.critic is not None:
+                mb.extras["old_values"] = self.critic.values(mb)
 
     def _logprobs(
         self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
@@ -317,24 +355,37 @@ class Trainer:
     # -- phase 3: advantages ----------------------------------------------------------------------------
 
     def _attach_advantages(self, plan: StepPlan) -> None:
-        """Advantages per group over this rank's samples, scattered onto each micro-batch (B, T)."""
+        """Advantages per group over this rank's samples, scattered onto each micro-batch (B, T); with a
+        critic, the returns (its targets) too."""
         sb = plan.step_batch
         if sb.rewards.numel() == 0:
             for mb in plan.micro_batches:
-                mb.extras["advantages"] = torch.zeros_like(mb.loss_mask)
+                mb.extras["advantages"] = mb.extras["returns"] = torch.zeros_like(mb.loss_mask)
             return
         token_rewards = self._token_rewards(plan).to(self.device)
         mask = sb.completion_mask.to(self.device)
+        values = (
+            self._completion_layout(plan, lambda mb: mb.extras["old_values"])
+            if self.critic is not None
+            else None
+        )
         algo = self.spec.algorithm
         estimator = ADVANTAGE_ESTIMATORS[algo.advantage]
-        advantages, _ = estimator(
-            token_rewards, mask, group_size=sb.group_size, gamma=algo.gamma, lam=algo.lam
+        advantages, returns = estimator(
+            token_rewards,
+            mask,
+            group_size=sb.group_size,
+            values=None if values is None else values.to(self.device),
+            gamma=algo.gamma,
+            lam=algo.lam,
         )
+        attached = {"advantages": advantages, **({"returns": returns} if self.critic is not None else {})}
         for mb in plan.micro_batches:
             empty = _is_empty(mb)
-            mb.extras["advantages"] = (
-                torch.zeros_like(mb.loss_mask) if empty else mb.from_completion_layout(advantages, mask)
-            )
+            for name, per_token in attached.items():
+                mb.extras[name] = (
+                    torch.zeros_like(mb.loss_mask) if empty else mb.from_completion_layout(per_token, mask)
+                )
 
     def _token_rewards(self, plan: StepPlan) -> Tensor:
         """Outcome rewards (+ overlong penalty) on each completion's last token, minus the KL penalty when
@@ -352,14 +403,21 @@ class Trainer:
 
     def _completion_kl(self, plan: StepPlan) -> Tensor:
         """Per-token KL of the pre-update policy to the reference in the completion layout: (N, Tc)."""
-        sb = plan.step_batch
-        kl = torch.zeros_like(sb.completion_mask)
         estimator = KL_ESTIMATORS[self.spec.algorithm.kl.estimator]
+        return self._completion_layout(
+            plan, lambda mb: estimator(mb.extras["old_logp"], mb.extras["ref_logp"])
+        )
+
+    @staticmethod
+    def _completion_layout(plan: StepPlan, per_token: Callable[[MicroBatch], Tensor]) -> Tensor:
+        """Gather a per-token quantity of each micro-batch, `per_token(mb)` (B, T), into the step's
+        completion layout: (N, Tc) on the CPU, 0 off the completions."""
+        out = torch.zeros_like(plan.step_batch.completion_mask)
         for mb in plan.micro_batches:
             if not _is_empty(mb):
-                per_token = estimator(mb.extras["old_logp"], mb.extras["ref_logp"]) * mb.loss_mask
-                kl[mb.sample_index.cpu()] = mb.to_completion_layout(per_token, kl.shape[1]).cpu()
-        return kl
+                values = per_token(mb) * mb.loss_mask
+                out[mb.sample_index.cpu()] = mb.to_completion_layout(values, out.shape[1]).cpu()
+        return out
 
     # -- phase 4: accumulate ----------------------------------------------------------------------------
 
@@ -367,7 +425,11 @@ class Trainer:
         """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
         sums: dict[str, Tensor] = {}
         for mb in plan.micro_batches:
-            for name, value in self._micro_batch_backward(mb, plan.global_count).items():
+            mb_sums = self._micro_batch_backward(mb, plan.global_count)
+            if self.critic is not None:
+                weight = self._weight(mb, plan.global_count)
+                mb_sums.update(self.critic.backward(mb, mb.extras["train_mask"], weight, self.world.size))
+            for name, value in mb_sums.items():
                 sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value
         return sums
 
@@ -423,17 +485,24 @@ class Trainer:
 
     # -- phase 5: optimizer step ------------------------------------------------------------------------
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip the global grad norm, step AdamW and the schedule; returns (grad_norm, lr used)."""
+    def _zero_grad(self) -> None:
+        """Clear the policy's (and the critic's) gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Step the policy (and the critic), each with its own grad-norm clip; returns the grad norms and
+        LRs used."""
         clip = self.spec.optim.grad_clip
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        return float(norm), lr
+        grad_norm, lr = clip_and_step(self.model, self.optimizer, self.scheduler, clip)
+        out = {"grad_norm": grad_norm, "lr": lr}
+        if self.critic is not None:
+            critic = self.critic
+            out["critic_grad_norm"], out["critic_lr"] = clip_and_step(
+                critic.model, critic.optimizer, critic.scheduler, clip
+            )
+        return out
 
     # -- phase 6: metrics -------------------------------------------------------------------------------
 
@@ -495,4 +564,6 @@ def _means(total: dict[str, float]) -> dict[str, float]:
     )
     metrics["response_length_mean"] = total["length_sum"] / max(total["samples"], 1.0)
     metrics["samples"] = total["samples"]
+    if "value_loss" in total:
+        metrics.update(critic_metrics(total))
     return metrics

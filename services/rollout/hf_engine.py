@@ -77,6 +77,9 @@ class HfEngine(Engine):
         self._tokens_generated = 0
 
     async def start(self) -> None:
+        import torch
+
+        torch.manual_seed(self.seed)
         await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
@@ -134,7 +137,8 @@ class HfEngine(Engine):
         import torch
 
         seed = sampling.sample_seed(p, 0)
-        torch.manual_seed(self.seed if seed is None else seed)
+        if seed is not None:  # unseeded requests continue the engine's stream (seeded once at start)
+            torch.manual_seed(seed)
         request.first_token_s = None
         input_ids = torch.tensor([prompt], device=self.device)
         with torch.no_grad():

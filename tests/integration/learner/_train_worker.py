@@ -7,7 +7,11 @@ checkpoint and trains the same 2 steps (run B). Rank 0 writes the full state dic
 Each step has 3 groups, so with 2 ranks the shards are uneven (2 groups vs 1): the rank with fewer
 micro-batches pads with empty ones.
 
-Usage: _train_worker.py MODEL_DIR OUT_DIR
+With ADVANTAGE "gae" the run is PPO with a critic (KL in the reward), whose model and optimizer the
+checkpoint must carry too; rank 0 then also writes the critics' full state dicts (`critic_a.pt`,
+`critic_b.pt`).
+
+Usage: _train_worker.py MODEL_DIR OUT_DIR [ADVANTAGE]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
@@ -26,14 +31,16 @@ from rlfabric.learner.trainer import Trainer
 CPU = torch.device("cpu")
 
 
-def make_spec(model_dir: str) -> RunSpec:
-    """GRPO with a KL term in the loss and an entropy bonus, small micro-batches."""
+def make_spec(model_dir: str, advantage: str = "grpo") -> RunSpec:
+    """GRPO with a KL term in the loss and an entropy bonus, small micro-batches; or PPO (gae) with the KL
+    in the reward."""
+    kl = {"coef": 0.05, "mode": "reward" if advantage == "gae" else "loss"}
     return RunSpec.model_validate(
         {
             "model": {"path": model_dir},
             "dataset": {"path": "unused.jsonl"},
             "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
-            "algorithm": {"kl": {"coef": 0.05}, "entropy_coef": 0.01},
+            "algorithm": {"advantage": advantage, "kl": kl, "entropy_coef": 0.01},
             "optim": {"lr": 2e-3, "warmup_steps": 1},
             "train": {"micro_batch_size": 3, "steps": 4},
         }
@@ -58,30 +65,41 @@ def make_groups(seed: int, n_groups: int = 3, n: int = 4) -> list[GroupSamples]:
     return groups
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def critic_state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The critic's unsharded weights on CPU, on rank 0 (empty elsewhere); none without a critic."""
+    if trainer.critic is None:
+        return {}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(trainer.critic.model, options=options)
+
+
+def main(model_dir: str, out_dir: str, advantage: str = "grpo") -> None:
     out = Path(out_dir)
     world = init_distributed(CPU)
-    spec = make_spec(model_dir)
+    spec = make_spec(model_dir, advantage)
     batches = [make_groups(seed) for seed in range(4)]
 
     a = Trainer(spec, model_dir, device=CPU, world=world)
     metrics_a = [a.train_step(groups) for groups in batches[:2]]
     checkpoint = a.save_checkpoint(out / "checkpoints", extra={"applied": "0-0,0-1"})
     metrics_a += [a.train_step(groups) for groups in batches[2:]]
-    state_a = a.full_state_dict()
+    state_a, critic_a = a.full_state_dict(), critic_state_dict(a)
 
     b = Trainer(spec, model_dir, device=CPU, world=world)
     extra = b.load_checkpoint(checkpoint)
     metrics_b = [b.train_step(groups) for groups in batches[2:]]
-    state_b = b.full_state_dict()
+    state_b, critic_b = b.full_state_dict(), critic_state_dict(b)
 
     if world.is_main:
         torch.save(state_a, out / "a.pt")
         torch.save(state_b, out / "b.pt")
+        if critic_a:
+            torch.save(critic_a, out / "critic_a.pt")
+            torch.save(critic_b, out / "critic_b.pt")
         report = {"world_size": world.size, "a": metrics_a, "b": metrics_b, "extra": extra}
         (out / "metrics.json").write_text(json.dumps(report))
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

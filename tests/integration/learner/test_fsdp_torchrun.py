@@ -21,7 +21,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 120
 
 
-def start_worker(nproc: int, model_dir: Path, out: Path) -> subprocess.Popen[bytes]:
+def start_worker(nproc: int, model_dir: Path, out: Path, advantage: str = "grpo") -> subprocess.Popen[bytes]:
     """Start the worker: under torchrun for 2 ranks, as a plain process (a world of one) for 1.
 
     Loopback only; the worker leads its own process group so a timeout can kill all of it."""
@@ -31,7 +31,7 @@ def start_worker(nproc: int, model_dir: Path, out: Path) -> subprocess.Popen[byt
     if nproc == 1:
         launcher = [sys.executable]
         env.pop("MASTER_ADDR")
-    cmd = [*launcher, str(WORKER), str(model_dir), str(out)]
+    cmd = [*launcher, str(WORKER), str(model_dir), str(out), advantage]
     with open(out / "worker.log", "wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -97,3 +97,27 @@ def test_checkpoint_round_trip_resumes_exactly(runs: dict[int, Path], nproc: int
     for ma, mb in zip(report["a"][2:], report["b"], strict=True):
         assert mb == pytest.approx(ma, abs=1e-6)
     _assert_same(_load(runs[nproc] / "a.pt"), _load(runs[nproc] / "b.pt"), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worker's output folder for PPO with a critic (gae) over 2 ranks."""
+    out = tmp_path_factory.mktemp("fsdp-ppo") / "world2"
+    proc = start_worker(2, tiny_model_dir, out, advantage="gae")
+    try:
+        wait_worker(proc, out, time.monotonic() + TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out
+
+
+def test_ppo_checkpoint_round_trip_carries_the_critic(ppo_run: Path) -> None:
+    report = json.loads((ppo_run / "metrics.json").read_text())
+    assert report["world_size"] == 2
+    for ma, mb in zip(report["a"][2:], report["b"], strict=True):
+        assert mb == pytest.approx(ma, abs=1e-6)
+        assert ma["critic_grad_norm"] > 0
+    _assert_same(_load(ppo_run / "a.pt"), _load(ppo_run / "b.pt"), atol=1e-6)
+    _assert_same(_load(ppo_run / "critic_a.pt"), _load(ppo_run / "critic_b.pt"), atol=1e-6)

@@ -1,0 +1,90 @@
+"""Runs the pipelines of the coordinator's runs, and resumes them after a restart.
+
+A submitted run becomes `running` and gets a `RunPipeline` task. The pipeline's end decides the state:
+`completed` when the learner reached its step budget (or every prompt was trained), `stopped` after a stop
+request, `failed` with the reason when the dataset cannot be used or the pipeline crashes. In every final
+state the learner is told to finish (`rlfabric:{run}:stop_requested`), so `rlfabric up` can shut down.
+A progress task mirrors the learner's latest step and version into the run record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.dataset import DatasetError
+from rlfabric.coordinator.pipeline import RunPipeline
+from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunStore
+
+log = logging.getLogger(__name__)
+
+
+class RunManager:
+    def __init__(self, config: CoordinatorServiceConfig, redis: Any) -> None:
+        self.config, self.redis = config, redis
+        self.store = RunStore(redis)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def resume(self) -> None:
+        """Picks up the runs a previous coordinator left pending or running."""
+        for record in await self.store.list(states={"pending", "running"}, limit=1000):
+            await self.on_submit(record)
+
+    async def on_submit(self, record: RunRecord) -> None:
+        if record.run_id in self.tasks:
+            return
+        await self.store.set_state(record.run_id, "running")
+        task = asyncio.get_running_loop().create_task(self.drive(record))
+        self.tasks[record.run_id] = task
+
+    async def on_stop(self, record: RunRecord) -> None:
+        """The API already flagged the run; the pipeline notices at its next loop."""
+
+    async def drive(self, record: RunRecord) -> None:
+        run_id = record.run_id
+        progress = asyncio.get_running_loop().create_task(self.mirror_progress(run_id))
+        try:
+            state, error = await self.run_pipeline(record), None
+        except DatasetError as exc:
+            state, error = "failed", str(exc)
+        except Exception as exc:
+            log.exception("run %s failed", run_id)
+            state, error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            progress.cancel()
+            self.tasks.pop(run_id, None)
+        await self.redis.set(f"rlfabric:{run_id}:stop_requested", state)
+        await self.sync_progress(run_id)
+        try:
+            await self.store.set_state(run_id, state, error)  # type: ignore[arg-type]
+        except InvalidTransition:  # already final (a pending run stopped by the API): keep that state
+            log.info("run %s was already final; pipeline ended as %s", run_id, state)
+        log.info("run %s %s", run_id, state)
+
+    async def run_pipeline(self, record: RunRecord) -> str:
+        pipeline = RunPipeline(
+            record.run_id, record.spec, self.redis, self.config.reward_address, self.config.max_stream_length
+        )
+        return await pipeline.run(lambda: self.store.stop_requested(record.run_id))
+
+    async def mirror_progress(self, run_id: str) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.sync_progress(run_id)
+            except Exception:  # tolerated: the next second tries again
+                log.warning("could not mirror progress of %s", run_id, exc_info=True)
+
+    async def sync_progress(self, run_id: str) -> None:
+        rows = [
+            r for r in await self.store.recent_metrics(run_id, 20) if "step" in r and "policy_version" in r
+        ]
+        if rows:
+            await self.store.update_progress(run_id, int(rows[-1]["step"]), int(rows[-1]["policy_version"]))
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)

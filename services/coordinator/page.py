@@ -1,0 +1,42 @@
+"""The live page of a run, served by the coordinator at `/runs/{run_id}`.
+
+One self-contained HTML file (`static/run.html`: inline CSS and JS, charts drawn on <canvas>, no external
+requests) that polls `/v1/runs/{id}` and `/v1/runs/{id}/metrics?since=` every 2 s. The HTML shell needs
+no token; the data does. Open the page as `/runs/<id>#token=<token>` (the fragment never reaches the
+server or its logs) or `/runs/<id>?token=<token>`: the script keeps the token in sessionStorage, removes it
+from the address bar and sends it as `Authorization: Bearer`. Without one, a 401 shows a token field.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from functools import cache
+from importlib.resources import files
+
+CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward_mean", "eval_reward_mean")),
+    ("KL", ("kl",)),
+    ("entropy", ("entropy",)),
+    ("response length", ("response_length_mean",)),
+    ("clip fraction", ("clip_fraction",)),
+    ("tokens / s", ("tokens_per_s",)),
+    ("rollout utilisation", ("rollout_busy_fraction",)),
+    ("staleness", ("staleness_mean",)),
+)
+"""(title, metrics-row keys) of each chart, in page order."""
+
+
+@cache
+def _template() -> str:
+    return files("rlfabric.coordinator").joinpath("static/run.html").read_text(encoding="utf-8")
+
+
+def render_run_page(run_id: str) -> str:
+    """The page for `run_id` (escaped into an attribute; the script reads it from there)."""
+    charts = json.dumps([{"title": title, "keys": list(keys)} for title, keys in CHARTS])
+    return (
+        _template()
+        .replace("__RUN_ID__", html.escape(run_id, quote=True))
+        .replace("__CHARTS__", html.escape(charts, quote=True))
+    )

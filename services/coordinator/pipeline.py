@@ -1,0 +1,436 @@
+"""A run's generate -> score -> enqueue pipeline: the part of the coordinator that keeps engines busy.
+
+    loop until the learner finishes, the prompts run out, or a stop is requested:
+      1. admit     wait until the policy-lag bound allows another group in flight:
+                   unread by the learner + in flight < (1 + max_staleness) * groups_per_step
+      2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
+      3. dispatch  to the least-loaded serving replica (discovered in the Redis registry)
+      4. score     the group's n completions in one Score call
+      5. enqueue   the ScoredGroup, exactly once per group id (a Lua script: mark + XADD + clear in-flight),
+                   with backpressure on the undelivered backlog; or drop it with a recorded reason
+
+A replica that fails mid-generation is excluded for a while and the group is re-dispatched elsewhere
+(counted). Every drop is recorded in `rlfabric:{run}:dropped` with its reason, so the books balance:
+each drawn prompt is enqueued once, dropped with a reason, or still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+
+from rlfabric.common import registry, telemetry
+from rlfabric.common.grpc_client import make_channel
+from rlfabric.common.runspec import RunSpec
+from rlfabric.common.streams import (
+    ensure_consumer_group,
+    groups_key,
+    undelivered,
+)
+from rlfabric.coordinator.dataset import Draw, PromptCursor, PromptRow, load_rows, split
+from rlfabric.reward.client import AsyncRewardClient, ItemResult
+from rlfabric.reward.service import spec_from_reward_spec
+from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+REPLICA_BACKOFF_S = 5.0
+GENERATE_TIMEOUT_S = 600.0
+
+# KEYS: stream, enqueued-set, inflight-hash; ARGV: group_id, data. Enqueue once per group id.
+ENQUEUE_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return 0
+end
+redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'group_id', ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+STATUS = {
+    "ok": common_pb2.REWARD_STATUS_OK,
+    "scorer_error": common_pb2.REWARD_STATUS_SCORER_ERROR,
+    "timeout": common_pb2.REWARD_STATUS_TIMEOUT,
+}
+
+
+@dataclass
+class InFlight:
+    """A group taken from the cursor and not yet enqueued or dropped (persisted in Redis)."""
+
+    group_id: str
+    prompt_id: str
+    epoch: int
+    position: int
+    attempts: int = 0
+    held_out: bool = False
+
+
+class Keys:
+    def __init__(self, run_id: str) -> None:
+        base = f"rlfabric:{run_id}"
+        self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
+        self.counters, self.step, self.stop = f"{base}:counters", f"{base}:step", f"{base}:stop_requested"
+        self.eval, self.metrics, self.groups = f"{base}:eval", f"{base}:metrics", groups_key(run_id)
+
+
+class ReplicaPool:
+    """Serving replicas of the run, refreshed from the registry; client-side least-loaded balancing."""
+
+    def __init__(self, redis: Any, run_id: str, per_replica: int) -> None:
+        self.redis, self.run_id, self.per_replica = redis, run_id, per_replica
+        self.load: dict[str, int] = {}
+        self.excluded: dict[str, float] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.changed = asyncio.Condition()
+
+    async def refresh(self) -> None:
+        entries = await registry.discover(self.redis, self.run_id)
+        live = {e.address for e in entries if e.serving}
+        async with self.changed:
+            for address in live - self.load.keys():
+                self.load[address] = 0
+            for address in self.load.keys() - live:
+                if self.load[address] == 0:
+                    del self.load[address]
+            self.changed.notify_all()
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # tolerated: Redis restarting; the next refresh catches up
+                log.warning("replica discovery failed", exc_info=True)
+            await asyncio.sleep(interval_s)
+
+    def _best(self) -> str | None:
+        now = time.monotonic()
+        ready = [a for a, n in self.load.items() if n < self.per_replica and self.excluded.get(a, 0) <= now]
+        return min(ready, key=lambda a: self.load[a]) if ready else None
+
+    async def acquire(self) -> str:
+        async with self.changed:
+            while (address := self._best()) is None:
+                await self._wait()
+            self.load[address] += 1
+            return address
+
+    async def _wait(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), 1.0)
+
+    async def release(self, address: str, *, failed: bool = False) -> None:
+        async with self.changed:
+            if address in self.load:
+                self.load[address] -= 1
+            if failed:
+                self.excluded[address] = time.monotonic() + REPLICA_BACKOFF_S
+            self.changed.notify_all()
+
+    def stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
+        if address not in self.channels:
+            self.channels[address] = make_channel(address)
+        return rollout_pb2_grpc.RolloutServiceStub(self.channels[address])
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close(None)
+
+
+class ReplicaFailed(RuntimeError):
+    """Generation failed on one replica (it died, was refused, timed out): re-dispatch the group."""
+
+
+def prompt_to_proto(prompt: str | list[dict[str, str]], chat_template: bool) -> common_pb2.Prompt:
+    if isinstance(prompt, list):
+        messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=messages))
+    if chat_template:
+        message = common_pb2.ChatMessage(role="user", content=prompt)
+        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=[message]))
+    return common_pb2.Prompt(text=prompt)
+
+
+def sampling_to_proto(spec: RunSpec, n: int | None = None) -> rollout_pb2.SamplingParams:
+    s = spec.rollout.sampling
+    return rollout_pb2.SamplingParams(
+        n=n or s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+    )
+
+
+class RunPipeline:
+    """Everything one run's pipeline needs; `run()` returns the run's final state."""
+
+    def __init__(
+        self, run_id: str, spec: RunSpec, redis: Any, reward_address: str, max_stream_length: int
+    ) -> None:
+        self.run_id, self.spec, self.redis = run_id, spec, redis
+        self.keys = Keys(run_id)
+        self.reward = AsyncRewardClient(reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30)
+        self.reward_spec = spec_from_reward_spec(spec.reward)
+        self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica)
+        self.max_stream_length = max_stream_length
+        self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
+        self.rows: dict[str, PromptRow] = {}
+        self.queued = 0
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    async def count(self, counter: str, n: int = 1) -> None:
+        await self.redis.hincrby(self.keys.counters, counter, n)
+
+    async def drop(self, item: InFlight, reason: str, detail: str = "") -> None:
+        await self.redis.xadd(
+            self.keys.dropped,
+            {"group_id": item.group_id, "prompt_id": item.prompt_id, "reason": reason, "detail": detail},
+        )
+        await self.redis.hdel(self.keys.inflight, item.group_id)
+        await self.count(f"dropped_{reason}")
+
+    async def learner_step(self) -> int:
+        return int(await self.redis.get(self.keys.step) or 0)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def run(self, stop: Callable[[], Awaitable[bool]]) -> str:
+        rows = load_rows(self.spec.dataset)
+        train, held_out = split(rows, self.spec.dataset.held_out_fraction)
+        self.rows = {r.prompt_id: r for r in rows}
+        cursor = PromptCursor(self.redis, self.run_id, train, self.spec.dataset)
+        await ensure_consumer_group(self.redis, self.run_id)
+        self.queued = int(await self.redis.scard(self.keys.enqueued))
+        watcher = asyncio.get_running_loop().create_task(self.replicas.watch())
+        evaluator = asyncio.get_running_loop().create_task(self.evaluate_periodically(held_out))
+        try:
+            return await self.dispatch_loop(cursor, stop)
+        finally:
+            watcher.cancel()
+            evaluator.cancel()
+            for task in self.in_flight.values():
+                task.cancel()
+            await self.replicas.close()
+            await self.reward.close()
+
+    async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> str:
+        pending = await self.leftovers()
+        exhausted = False
+        while True:
+            if await stop():
+                return "stopped"
+            step = await self.learner_step()
+            if step >= self.spec.train.steps:
+                return "completed"
+            if exhausted and not self.in_flight and await self.drained():
+                return "completed"
+            if exhausted or not await self.admits(step):
+                await asyncio.sleep(0.05)
+                continue
+            item = pending.pop(0) if pending else await self.draw(cursor)
+            if item is None:
+                exhausted = True
+                continue
+            self.in_flight[item.group_id] = asyncio.get_running_loop().create_task(self.process(item))
+
+    async def admits(self, step: int) -> bool:
+        """Policy-lag bound: groups in flight plus groups queued but not yet read by the learner stay
+        within (max_staleness + 1) steps' worth. Counting what the learner has not read (instead of
+        everything ever queued) keeps the bound live when the learner drops stale groups."""
+        bound = (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
+        backlog = await undelivered(self.redis, self.run_id, cap=bound)
+        return backlog + len(self.in_flight) < bound
+
+    async def drained(self) -> bool:
+        """Everything enqueued has been trained or dropped by the learner (nothing left to wait for)."""
+        return await undelivered(self.redis, self.run_id, cap=1) == 0
+
+    async def leftovers(self) -> list[InFlight]:
+        """Groups a previous coordinator drew but never finished: re-dispatched first."""
+        raw = await self.redis.hgetall(self.keys.inflight)
+        items = [InFlight(**json.loads(v)) for v in raw.values()]
+        if items:
+            await self.count("redispatches", len(items))
+        return sorted(items, key=lambda i: (i.epoch, i.position))
+
+    async def draw(self, cursor: PromptCursor) -> InFlight | None:
+        draw: Draw | None = await cursor.take()
+        if draw is None:
+            return None
+        item = InFlight(f"{draw.row.prompt_id}:e{draw.epoch}", draw.row.prompt_id, draw.epoch, draw.position)
+        await self.redis.hset(self.keys.inflight, item.group_id, json.dumps(asdict(item)))
+        await self.count("prompts_dispatched")
+        return item
+
+    # --- one group --------------------------------------------------------------------------------
+
+    async def process(self, item: InFlight) -> None:
+        try:
+            with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
+                await self.process_once(item)
+        except Exception:
+            log.exception("group %s failed; it stays in flight and is re-dispatched", item.group_id)
+            await asyncio.sleep(1.0)
+            self.in_flight[item.group_id] = asyncio.get_running_loop().create_task(self.process(item))
+            return
+        self.in_flight.pop(item.group_id, None)
+
+    async def process_once(self, item: InFlight) -> None:
+        row = self.rows[item.prompt_id]
+        while True:
+            try:
+                samples = await self.generate(item, row)
+                break
+            except ReplicaFailed as exc:
+                item.attempts += 1
+                await self.count("redispatches")
+                log.warning("re-dispatching %s: %s", item.group_id, exc)
+        await self.count("samples_generated", len(samples))
+        scores = await self.score(row, samples)
+        await self.finish_group(item, row, samples, scores)
+
+    async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        address = await self.replicas.acquire()
+        request = rollout_pb2.GenerateRequest(
+            request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
+            prompts=[
+                rollout_pb2.GeneratePrompt(
+                    prompt_id=row.prompt_id,
+                    prompt=prompt_to_proto(row.prompt, self.spec.dataset.chat_template),
+                )
+            ],
+            sampling=sampling_to_proto(self.spec),
+        )
+        failed = True
+        try:
+            samples = [
+                s async for s in self.replicas.stub(address).Generate(request, timeout=GENERATE_TIMEOUT_S)
+            ]
+            failed = False
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            await self.replicas.release(address, failed=failed)
+        return sorted(samples, key=lambda s: s.sample_index)
+
+    async def score(self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]) -> list[ItemResult]:
+        base = {"prompt": row.prompt, "reference": row.reference, **row.metadata}
+        items = [
+            {**base, "id": str(s.sample_index), "completion": s.text, "completion_tokens": len(s.token_ids)}
+            for s in samples
+        ]
+        return await self.reward.score(
+            items, self.reward_spec, item_timeout_s=self.spec.reward.item_timeout_s
+        )
+
+    async def finish_group(
+        self,
+        item: InFlight,
+        row: PromptRow,
+        samples: list[rollout_pb2.GeneratedSample],
+        scores: list[ItemResult],
+    ) -> None:
+        failed = [s for s in scores if s.status != "ok"]
+        if failed:
+            await self.count("scorer_errors", len(failed))
+            await self.drop(item, "scorer_error", failed[0].message[:500])
+            return
+        rewards = {s.reward for s in scores}
+        if self.spec.rollout.dynamic_sampling and len(rewards) == 1:
+            await self.drop(item, "zero_variance")
+            return
+        group = self.build_group(item, samples, scores)
+        await self.wait_for_room()
+        added = await self.enqueue_once(
+            keys=[self.keys.groups, self.keys.enqueued, self.keys.inflight],
+            args=[item.group_id, group.SerializeToString()],
+        )
+        if added:
+            self.queued += 1
+            await self.count("groups_queued")
+
+    def build_group(
+        self, item: InFlight, samples: list[rollout_pb2.GeneratedSample], scores: list[ItemResult]
+    ) -> queue_pb2.ScoredGroup:
+        version = samples[0].policy_version
+        return queue_pb2.ScoredGroup(
+            run_id=self.run_id,
+            prompt_id=item.prompt_id,
+            group_id=item.group_id,
+            epoch=item.epoch,
+            prompt_token_ids=samples[0].prompt_token_ids,
+            samples=[
+                queue_pb2.ScoredSample(
+                    sample_index=s.sample_index,
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    text=s.text,
+                    finish_reason=s.finish_reason,
+                    policy_version=version,
+                    replica_id=s.replica_id,
+                    reward=common_pb2.Reward(
+                        value=r.reward, status=STATUS[r.status], components=r.components
+                    ),
+                )
+                for s, r in zip(samples, scores, strict=True)
+            ],
+            policy_version=version,
+            scorer_name=scores[0].scorer_name,
+            scorer_version=scores[0].scorer_version,
+            trace=telemetry.to_trace_context(),
+            enqueued_at=time.time(),
+        )
+
+    async def wait_for_room(self) -> None:
+        """Backpressure: never trim; wait while the undelivered backlog is at its limit."""
+        while (
+            await undelivered(self.redis, self.run_id, cap=self.max_stream_length) >= self.max_stream_length
+        ):
+            await asyncio.sleep(0.1)
+
+    # --- held-out evaluation ----------------------------------------------------------------------
+
+    async def evaluate_periodically(self, held_out: list[PromptRow]) -> None:
+        every = self.spec.dataset.eval_every_steps
+        if not every or not held_out:
+            return
+        done = -1
+        while True:
+            step = await self.learner_step()
+            if step // every > done:
+                done = step // every
+                await self.evaluate(held_out, step)
+            await asyncio.sleep(0.5)
+
+    async def evaluate(self, held_out: list[PromptRow], step: int) -> None:
+        """Scores the held-out prompts with the serving policy; never enqueued, never trained on."""
+        rewards: list[float] = []
+        versions: set[int] = set()
+        for row in held_out:
+            item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0, held_out=True)
+            try:
+                samples = await self.generate(item, row)
+            except ReplicaFailed:
+                continue
+            versions.update(s.policy_version for s in samples)
+            rewards.extend(r.reward for r in await self.score(row, samples) if r.status == "ok")
+        if rewards:
+            result = {
+                "reward_mean": sum(rewards) / len(rewards),
+                "policy_version": min(versions),
+                "step": step,
+            }
+            await self.redis.rpush(self.keys.eval, json.dumps(result))

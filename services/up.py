@@ -1,0 +1,279 @@
+"""`rlfabric up`: the whole system on one machine, every service its own process on loopback.
+
+    1. prepare   the run directory, the run spec (the built-in demo when no file is given)
+    2. start     redis-server (AOF in the run directory) unless --redis-url, the reward service, the
+                 rollout replicas, the learner, the coordinator — each waits for its ready line
+    3. submit    the run to the coordinator's REST API
+    4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it
+    5. stop      every process by PID (SIGTERM, then SIGKILL past the grace), print the summary, plot
+
+The exit code is 0 only when the run completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlfabric.common.procs import ServiceProcess
+
+FINAL_STATES = ("completed", "failed", "stopped")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_file", nargs="?", help="run file (TOML/YAML/JSON); default: the built-in demo")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--run-dir", type=Path, help="where everything is written (default runs/<time>)")
+    parser.add_argument("--replicas", type=int, default=1, help="rollout replicas (default 1)")
+    parser.add_argument(
+        "--learner-ranks", type=int, default=1, help="learner ranks under torchrun (default 1)"
+    )
+    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument(
+        "--engine", choices=["vllm", "transformers"], default="vllm", help="rollout engine (default vllm)"
+    )
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile (slower start, faster run)")
+    parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlfabric.cli", *args]
+
+
+class Stack:
+    """The processes of one `up`, stopped in reverse start order."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[ServiceProcess] = []
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        ready: str,
+        *,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 300,
+    ) -> str:
+        proc = ServiceProcess(name, argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+        self.procs.append(proc)
+        print(f"  starting {name} ...", end="", flush=True)
+        match = proc.start(ready, timeout_s=timeout_s)
+        print(f" ready (pid {proc.pid})", flush=True)
+        return match.group(1) if match.groups() else ""
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop(grace_s=30)
+
+
+def vllm_env(run_dir: Path, *, compile_: bool) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CACHE_ROOT": str(run_dir / ".vllm-cache"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    if not compile_:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
+
+
+def load_spec(args: argparse.Namespace, run_dir: Path) -> Any:
+    from rlfabric.common.config import load_config
+    from rlfabric.common.runspec import RunSpec
+    from rlfabric.coordinator.demo import demo_spec
+
+    if args.run_file:
+        spec = load_config(RunSpec, path=args.run_file)
+    else:
+        spec = demo_spec(run_dir, steps=args.steps or 40)
+    updates: dict[str, Any] = {"output_dir": str(run_dir), "name": spec.name or f"run-{int(time.time())}"}
+    if args.steps:
+        updates["train"] = spec.train.model_copy(update={"steps": args.steps})
+    return spec.model_copy(update=updates)
+
+
+def start_redis(stack: Stack, args: argparse.Namespace) -> str:
+    if args.redis_url:
+        return str(args.redis_url)
+    port, data = free_port(), stack.run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+    argv += ["--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", ""]
+    stack.start("redis", argv, r"Ready to accept connections()")
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def start_services(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> str:
+    """Starts reward, rollout, learner and coordinator; returns the coordinator's URL."""
+    run_id = spec.name
+    reward = stack.start(
+        "reward", cli("serve", "reward", "--port", "0", "--set", "workers=1"), r"listening on (\S+)"
+    )
+    weights = str(Path(spec.output_dir) / run_id / "weights")
+    for i in range(args.replicas):
+        start_replica(stack, args, spec, redis_url, weights, i)
+    start_learner(stack, args, spec, redis_url)
+    coordinator = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={redis_url}")
+    coordinator += ["--set", f"reward_address={reward}"]
+    return stack.start("coordinator", coordinator, r"listening on (http://\S+)")
+
+
+def start_replica(
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, weights: str, i: int
+) -> None:
+    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", "0", "--engine", args.engine)
+    settings = [
+        f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id=rollout-{i}",
+        f"engine.max_model_len={spec.model.max_model_len}", "engine.kv_cache_bytes=268435456",
+        f"engine.enforce_eager={str(not args.compile).lower()}", "log.format=text",
+    ]  # fmt: skip
+    for setting in settings:
+        argv += ["--set", setting]
+    stack.start(
+        f"rollout-{i}", argv, r"serving version (\d+)", env=vllm_env(stack.run_dir, compile_=args.compile)
+    )
+
+
+def start_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> None:
+    config = {
+        "run_id": spec.name,
+        "redis": {"url": redis_url},
+        "server": {"port": 0},
+        "log": {"format": "text"},
+        "run": json.loads(spec.model_dump_json()),
+    }
+    path = stack.run_dir / "learner.yaml"
+    path.write_text(yaml.safe_dump(config))
+    if args.learner_ranks > 1:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += ["--nproc_per_node", str(args.learner_ranks), "-m", "rlfabric.cli"]
+        argv += ["serve", "learner", "--config", str(path)]
+    else:
+        argv = cli("serve", "learner", "--config", str(path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    stack.start("learner", argv, r"listening on (\S+)", env=env)
+
+
+def submit(url: str, spec: Any) -> str:
+    import httpx
+
+    response = httpx.post(f"{url}/v1/runs", json=json.loads(spec.model_dump_json()), timeout=30)
+    response.raise_for_status()
+    return str(response.json()["run_id"])
+
+
+def watch(url: str, run_id: str, steps: int, *, progress: bool) -> dict[str, Any]:
+    """Polls the run until it ends; Ctrl-C asks the coordinator to stop it and keeps watching."""
+    import httpx
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
+    bar.last_step = 0
+    status: dict[str, Any] = {}
+    while status.get("state") not in FINAL_STATES:
+        try:
+            time.sleep(1.0)
+            status = httpx.get(f"{url}/v1/runs/{run_id}", timeout=10).json()
+        except KeyboardInterrupt:
+            print("\nstopping the run ...", flush=True)
+            httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=10)
+            continue
+        show_progress(bar, status, progress=progress)
+    bar.close()
+    return status
+
+
+def show_progress(bar: Any, status: dict[str, Any], *, progress: bool) -> None:
+    """Advances the bar to the run's step; without a bar, prints one line per new step."""
+    metrics = status.get("latest_metrics") or {}
+    step = int(status.get("step") or 0)
+    fields = {k: metrics.get(k) for k in ("reward_mean", "eval_reward_mean", "kl", "tokens_per_s")}
+    shown = {k: f"{v:.3g}" for k, v in fields.items() if isinstance(v, int | float)}
+    if step > bar.last_step:
+        bar.last_step = step
+        bar.update(step - bar.n)
+        if not progress:
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+    bar.set_postfix(shown, refresh=True)
+
+
+def plot(metrics_path: Path, out: Path) -> Path | None:
+    """A PNG of the run's curves, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = (
+        [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    )
+    names = ["reward_mean", "eval_reward_mean", "kl", "entropy", "response_length_mean", "tokens_per_s"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, name in zip(axes.flat, names, strict=True):
+        points = [(r["step"], r[name]) for r in rows if name in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker=".")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out)
+    return out
+
+
+def summarize(status: dict[str, Any], run_dir: Path, run_id: str) -> None:
+    run_path = run_dir / run_id
+    png = plot(run_path / "metrics.jsonl", run_path / "curves.png")
+    print(f"\nrun {run_id}: {status.get('state')} at step {status.get('step')}")
+    if status.get("error"):
+        print(f"  error: {status['error']}")
+    for name, value in sorted((status.get("counters") or {}).items()):
+        print(f"  {name}: {value}")
+    print(f"  run directory: {run_path} (metrics.jsonl, checkpoints/, weights/, logs in {run_dir / 'logs'})")
+    if png:
+        print(f"  curves: {png}")
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM behaves like Ctrl-C: stop the run, then every process."""
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"rlfabric up: run directory {run_dir}", flush=True)
+    spec = load_spec(args, run_dir)
+    stack = Stack(run_dir)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        redis_url = start_redis(stack, args)
+        url = start_services(stack, args, spec, redis_url)
+        run_id = submit(url, spec)
+        print(f"run {run_id} submitted; page: {url}/runs/{run_id}", flush=True)
+        status = watch(url, run_id, spec.train.steps, progress=not args.no_progress)
+    finally:
+        stack.stop()
+    summarize(status, run_dir, spec.name)
+    return 0 if status.get("state") == "completed" else 1

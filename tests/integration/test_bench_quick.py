@@ -1,0 +1,84 @@
+"""The benchmarks' --quick mode, as CI runs it: every code path of `bench/reward_service.py` (two real
+reward services, in-process scoring, the raw asyncio stub) on tiny sizes, checked through its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reward_service_bench_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "reward_service.py"), "--quick", "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "reward_service.json").read_text())
+    assert (tmp_path / "reward_service.md").read_text().startswith("## reward_service")
+
+    assert result["quick"] is True and result["batch_size"] == 64
+    math_verify, exact_match = result["math_verify"], result["exact_match"]
+    assert math_verify["in_process"]["items_per_s"]["median"] > 0
+    assert set(math_verify["service"]) == {"workers=1", "workers=2"}
+    for entry in math_verify["service"].values():
+        assert entry["items_per_s"]["median"] > 0
+        assert entry["ratio_per_core"] > 0
+        assert entry["latency_ms"]["p99"] >= entry["latency_ms"]["p50"] > 0
+        assert set(entry["statuses"]) == {"ok"}
+    assert exact_match["in_process"]["items_per_s"]["median"] > 0
+    assert exact_match["service"]
+    for entry in exact_match["service"].values():
+        assert entry["items_per_s"]["median"] > 0
+        assert entry["vs_in_process"] > 0
+        assert entry["calls"] > 0
+    assert exact_match["best_service_items_per_s"] > 0
+    assert isinstance(exact_match["goal_met"], bool)
+
+
+def run_quick(script: str, tmp_path: Path, timeout: int) -> dict:
+    """Runs `bench/<script>.py --quick` into `tmp_path`; returns its JSON after checking the markdown."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{script}.py"), "--quick", "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / f"{script}.md").read_text().startswith(f"## {script}")
+    return json.loads((tmp_path / f"{script}.json").read_text())
+
+
+@pytest.mark.vllm
+def test_rollout_service_bench_quick(tmp_path: Path) -> None:
+    result = run_quick("rollout_service", tmp_path, timeout=600)
+    assert result["quick"] is True
+    throughput = result["result"]["throughput"]
+    for side in ("service", "in_process", "hf_in_process"):
+        assert throughput[side]["tokens_per_s"]["median"] > 0
+        assert all(t > 0 for t in throughput[side]["tokens"])
+    assert throughput["ratio"] > 0 and throughput["vllm_vs_hf"] > 0
+    (updates,) = result["result"]["weight_updates"]
+    assert updates["preset"] == "tiny" and updates["bytes"] > 0
+    assert set(updates["paths"]) == {"object_store", "broadcast"}
+    for phases in updates["paths"].values():
+        assert phases["total_s"]["median"] >= phases["update_rpc_s"]["median"] > 0
+
+
+def test_learner_step_bench_quick(tmp_path: Path) -> None:
+    result = run_quick("learner_step", tmp_path, timeout=300)
+    assert result["quick"] is True and result["result"]["load"]["preset"] == "tiny"
+    tokens_per_s = result["result"]["tokens_per_s"]
+    assert tokens_per_s["learner"]["median"] > 0 and tokens_per_s["plain"]["median"] > 0
+    assert result["result"]["ratio"] > 0 and isinstance(result["goal_met"], bool)

@@ -1,0 +1,188 @@
+"""RunStore on an in-memory Redis (fakeredis): ids, transitions, counters, metrics; and the health checks
+on synthetic metrics series."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakeredis
+import pytest
+
+from rlfabric.common.runspec import RunSpec
+from rlfabric.coordinator.health import (
+    HealthThresholds,
+    check_entropy_collapse,
+    check_overfitting,
+    check_response_length,
+    check_reward_hacking,
+    run_health,
+)
+from rlfabric.coordinator.runs import COUNTERS, InvalidTransition, RunExists, RunNotFound, RunStore
+
+
+def spec(name: str | None = None) -> RunSpec:
+    return RunSpec.model_validate({"name": name, "model": {"path": "m"}, "dataset": {"path": "d.jsonl"}})
+
+
+@pytest.fixture
+def store() -> RunStore:
+    return RunStore(fakeredis.FakeAsyncRedis())
+
+
+async def test_create_uses_the_name_or_a_generated_id(store: RunStore) -> None:
+    named = await store.create(spec("alpha"))
+    anonymous = await store.create(spec())
+    assert named.run_id == "alpha" and named.state == "pending"
+    assert anonymous.run_id.startswith("run-") and anonymous.spec.name == anonymous.run_id
+    assert (await store.get("alpha")).spec == named.spec
+    assert [r.run_id for r in await store.list()] == [anonymous.run_id, "alpha"]
+
+
+async def test_create_refuses_a_taken_name(store: RunStore) -> None:
+    await store.create(spec("alpha"))
+    with pytest.raises(RunExists):
+        await store.create(spec("alpha"))
+
+
+async def test_unknown_run_is_not_found(store: RunStore) -> None:
+    for call in (store.get("nope"), store.set_state("nope", "running"), store.request_stop("nope")):
+        with pytest.raises(RunNotFound):
+            await call
+    with pytest.raises(RunNotFound):
+        await store.stop_requested("nope")
+
+
+async def test_legal_transitions(store: RunStore) -> None:
+    await store.create(spec("a"))
+    assert (await store.set_state("a", "running")).state == "running"
+    assert (await store.set_state("a", "running")).state == "running"  # idempotent
+    done = await store.set_state("a", "failed", error="boom")
+    assert done.state == "failed" and done.error == "boom" and done.finished
+
+
+@pytest.mark.parametrize("final", ["completed", "failed", "stopped"])
+async def test_a_finished_run_never_changes_state(store: RunStore, final: str) -> None:
+    await store.create(spec("a"))
+    await store.set_state("a", "running")
+    await store.set_state("a", final)  # type: ignore[arg-type]
+    for target in ("pending", "running", "completed", "failed", "stopped"):
+        with pytest.raises(InvalidTransition):
+            await store.set_state("a", target)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransition):
+        await store.request_stop("a")
+
+
+async def test_pending_cannot_complete_or_go_back(store: RunStore) -> None:
+    await store.create(spec("a"))
+    with pytest.raises(InvalidTransition):
+        await store.set_state("a", "completed")
+    await store.set_state("a", "running")
+    with pytest.raises(InvalidTransition):
+        await store.set_state("a", "pending")
+
+
+async def test_stop_of_a_pending_run_stops_it_and_of_a_running_one_flags_it(store: RunStore) -> None:
+    await store.create(spec("p"))
+    await store.create(spec("r"))
+    await store.set_state("r", "running")
+    assert (await store.request_stop("p")).state == "stopped"
+    flagged = await store.request_stop("r")
+    assert flagged.state == "running" and flagged.stop_requested
+    assert await store.stop_requested("r") and await store.stop_requested("p")
+
+
+async def test_progress_warnings_and_list_filter(store: RunStore) -> None:
+    await store.create(spec("a"))
+    await store.create(spec("b"))
+    await store.set_state("b", "running")
+    record = await store.update_progress("b", step=7, policy_version=8)
+    assert (record.step, record.policy_version) == (7, 8)
+    await store.add_warning("b", "w1")
+    assert (await store.add_warning("b", "w1")).warnings == ["w1"]
+    assert [r.run_id for r in await store.list(states={"running"})] == ["b"]
+    assert len(await store.list(limit=1)) == 1
+
+
+async def test_counters(store: RunStore) -> None:
+    await store.create(spec("a"))
+    assert await store.incr("a", "groups_queued") == 1
+    assert await store.incr("a", "groups_queued", 4) == 5
+    await store.incr("a", "custom", 2)
+    counters = await store.counters("a")
+    assert set(COUNTERS) <= set(counters)
+    assert counters["groups_queued"] == 5 and counters["custom"] == 2 and counters["scorer_errors"] == 0
+
+
+async def test_metrics_stream_round_trip(store: RunStore) -> None:
+    await store.create(spec("a"))
+    ids = [await store.append_metrics("a", {"step": s, "reward_mean": s / 10}) for s in (1, 2, 3)]
+    rows = await store.metrics("a")
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["_id"] for r in rows] == ids
+    assert [r["step"] for r in await store.metrics("a", since_id=ids[0])] == [2, 3]
+    assert [r["step"] for r in await store.metrics("a", limit=1)] == [1]
+    assert [r["step"] for r in await store.recent_metrics("a", 2)] == [2, 3]
+    with pytest.raises(ValueError):
+        await store.metrics("a", since_id="not-an-id")
+
+
+# --- health -----------------------------------------------------------------------------------------------
+
+T = HealthThresholds(window=5)
+
+
+def rows_of(**columns: list[float]) -> list[dict[str, Any]]:
+    n = max(len(v) for v in columns.values())
+    return [{"step": i + 1, **{k: v[i] for k, v in columns.items() if i < len(v)}} for i in range(n)]
+
+
+def test_healthy_series_has_no_warnings() -> None:
+    steady = rows_of(
+        kl=[0.01] * 20,
+        reward_mean=[0.3 + 0.005 * i for i in range(20)],
+        entropy=[0.8] * 20,
+        response_length_mean=[100.0] * 20,
+    )
+    assert run_health(steady, T, max_tokens=256) == []
+    assert run_health([], T) == []
+
+
+def test_reward_hacking_needs_kl_and_reward_to_jump_together() -> None:
+    both = rows_of(kl=[0.01] * 5 + [0.05] * 5, reward_mean=[0.3] * 5 + [0.8] * 5)
+    only_kl = rows_of(kl=[0.01] * 5 + [0.05] * 5, reward_mean=[0.3] * 10)
+    only_reward = rows_of(kl=[0.01] * 10, reward_mean=[0.3] * 5 + [0.8] * 5)
+    assert "reward hacking" in (check_reward_hacking(both, T) or "")
+    assert check_reward_hacking(only_kl, T) is None
+    assert check_reward_hacking(only_reward, T) is None
+    assert check_reward_hacking(both[:9], T) is None  # too short
+
+
+def test_overfitting_train_up_eval_down() -> None:
+    rows = rows_of(reward_mean=[0.2 + 0.05 * i for i in range(12)])
+    for step, value in ((4, 0.5), (8, 0.45), (12, 0.4)):
+        rows[step - 1]["eval_reward_mean"] = value
+    assert "held-out reward fell" in (check_overfitting(rows, T) or "")
+    for step, value in ((4, 0.4), (8, 0.45), (12, 0.5)):
+        rows[step - 1]["eval_reward_mean"] = value
+    assert check_overfitting(rows, T) is None
+
+
+def test_entropy_collapse() -> None:
+    assert "entropy collapse" in (check_entropy_collapse(rows_of(entropy=[1.0] * 5 + [0.05] * 5), T) or "")
+    assert "below" in (check_entropy_collapse(rows_of(entropy=[0.001] * 5), T) or "")
+    assert check_entropy_collapse(rows_of(entropy=[1.0] * 5 + [0.6] * 5), T) is None
+
+
+def test_response_length_runaway_and_collapse() -> None:
+    grow = rows_of(response_length_mean=[50.0] * 5 + [200.0] * 5)
+    shrink = rows_of(response_length_mean=[100.0] * 5 + [10.0] * 5)
+    near_limit = rows_of(response_length_mean=[250.0] * 5)
+    assert "runaway" in (check_response_length(grow, T) or "")
+    assert "collapse" in (check_response_length(shrink, T) or "")
+    assert "max_tokens" in (check_response_length(near_limit, T, max_tokens=256) or "")
+    assert check_response_length(near_limit, T) is None
+
+
+def test_thresholds_are_configurable() -> None:
+    rows = rows_of(kl=[0.01] * 5 + [0.03] * 5, reward_mean=[0.3] * 5 + [0.5] * 5)
+    assert check_reward_hacking(rows, T) is not None
+    assert check_reward_hacking(rows, HealthThresholds(window=5, kl_jump_factor=5.0)) is None
