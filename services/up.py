@@ -85,12 +85,12 @@ class Stack:
 
 def vllm_env(run_dir: Path, *, compile_: bool) -> dict[str, str]:
     env = {
-        **os.environ,
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CACHE_ROOT": str(run_dir / ".vllm-cache"),
         "VLLM_NO_USAGE_STATS": "1",
+        **os.environ,  # the caller's choices win
     }
     if not compile_:
         env["TORCHDYNAMO_DISABLE"] = "1"

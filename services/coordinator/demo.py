@@ -72,6 +72,7 @@ def demo_spec(run_dir: Path, *, steps: int) -> RunSpec:
             },
             "rollout": {"sampling": {"n": 8, "max_tokens": 12, "temperature": 1.0}, "max_staleness": 1},
             "reward": {"scorer": "python_function", "params": {"function": f"{__name__}:letter_reward"}},
+            "algorithm": {"kl": {"coef": 0.001, "estimator": "k3"}},
             "optim": {"lr": 0.003},
             "train": {"steps": steps, "groups_per_step": 8, "micro_batch_size": 32, "checkpoint_every": 10},
         }

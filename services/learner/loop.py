@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client import Gauge
 
 from rlfabric.common import weights as store
 from rlfabric.learner.batch import GroupSamples, Rollout
@@ -37,6 +38,7 @@ from rlfabric.v1 import common_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
 
+_STEP_METRIC = Gauge("rlfabric_learner_step_metric", "Latest value of each learner step metric", ["name"])
 LEDGER_KEY = "ledger"
 APPLIED_LOG_KEY = "applied_log"
 FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -167,6 +169,28 @@ class Publisher:
         await self.redis.set(f"rlfabric:{self.run_id}:version", version)
         await self.redis.publish(f"rlfabric:{self.run_id}:versions", version)
         return time.perf_counter() - start
+
+
+class StepExport:
+    """Rank 0's per-step exports besides metrics.jsonl: TensorBoard event files under the run directory
+    and Prometheus gauges (one per metric name, labelled, plus step and version)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.gauge = _STEP_METRIC
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for name, value in row.items():
+            if isinstance(value, int | float) and name not in ("step", "time"):
+                self.writer.add_scalar(name, value, step)
+                self.gauge.labels(name).set(value)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def write_metrics(path: Path, row: dict[str, Any]) -> None:

@@ -20,12 +20,14 @@ from typing import Any
 from rlfabric.common import failpoints
 from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
+from rlfabric.common.metrics import start_metrics_server
 from rlfabric.common.telemetry import setup_tracing
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, destroy_distributed, init_distributed
 from rlfabric.learner.loop import (
     Publisher,
     RunPaths,
+    StepExport,
     StepSource,
     checkpoint,
     restore,
@@ -91,6 +93,7 @@ class Learner:
             self.paths, self.redis, self.config.run_id, self.spec.weights.keep_versions
         )
         self.version = self.publisher.next_version(self.trainer.policy_version) - 1
+        self.export = StepExport(self.paths.run_dir)
         await self.start_status_server()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.request_stop)
 
@@ -187,6 +190,7 @@ class Learner:
         row = self.build_row(metrics, counters)
         row.update(await self.take_eval_results())
         write_metrics(self.paths.metrics, row)
+        self.export.write(row)
         await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
         await self.redis.set(f"rlfabric:{self.config.run_id}:step", self.trainer.step)
         self.update_status(metrics, counters)
@@ -232,6 +236,7 @@ class Learner:
                 await self.source.consumer.ack(self.pending)
         self.set_state(learner_pb2.LEARNER_STATE_DONE)
         if self.world.is_main:
+            self.export.close()
             print(f"rlfabric learner done at step {self.trainer.step}, version {self.version}", flush=True)
             await self.server.stop(1.0)
             with contextlib.suppress(Exception):
@@ -246,6 +251,9 @@ def serve(config: LearnerServiceConfig) -> int:
     setup_logging("learner", config.log.level, config.log.format)
     setup_tracing("rlfabric-learner")
     world = init_distributed()
+    if world.is_main and config.server.metrics_port is not None:
+        port = start_metrics_server(config.server.host, config.server.metrics_port)
+        print(f"rlfabric learner metrics on http://{config.server.host}:{port}/metrics", flush=True)
     try:
         trainer = Trainer(config.run, config.run.model.path, device=world.device, world=world)
         asyncio.run(Learner(config, world, trainer).run())

@@ -157,6 +157,7 @@ def test_two_rank_learner_trains_checkpoints_acks_and_publishes(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     assert all(r["groups_trained"] == 2 * r["step"] for r in rows)
     root = str(run_dir / "weights")
     assert store.latest_committed(root) == 3
