@@ -46,9 +46,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             )
         except InvalidScorerSpec as exc:
             raise InvalidArgument(f"scorer.{exc}") from exc
-        return reward_pb2.ScoreResponse(
-            results=[to_proto(item.id, s) for item, s in zip(items, scored, strict=True)]
-        )
+        response = reward_pb2.ScoreResponse()
+        for item, result in zip(items, scored, strict=True):
+            fill(response.results.add(), item.id, result)
+        return response
 
     async def ListScorers(
         self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext
@@ -101,7 +102,7 @@ def item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreInput:
         prompt=prompt_from_proto(item.prompt),
         completion=item.completion,
         reference=item.reference,
-        metadata=json_format.MessageToDict(item.metadata),
+        metadata=json_format.MessageToDict(item.metadata) if item.metadata.fields else {},
     )
 
 
@@ -114,20 +115,19 @@ def prompt_from_proto(prompt: common_pb2.Prompt) -> str | list[dict[str, Any]]:
     return prompt.text
 
 
-def to_proto(item_id: str, scored: ScoredItem) -> reward_pb2.ItemScore:
+def fill(out: reward_pb2.ItemScore, item_id: str, scored: ScoredItem) -> None:
+    """Writes one result into `out` in place (cheaper than building and copying messages)."""
     result = scored.result
-    return reward_pb2.ItemScore(
-        id=item_id,
-        reward=common_pb2.Reward(
-            value=result.reward,  # NaN unless OK: a failure must never read as a reward of 0
-            status=STATUS[result.status],
-            message=result.message,
-            components=result.components,
-        ),
-        scorer_name=scored.scorer_name,
-        scorer_version=scored.scorer_version,
-        latency_seconds=scored.latency_s,
-    )
+    out.id = item_id
+    out.reward.value = result.reward  # NaN unless OK: a failure must never read as a reward of 0
+    out.reward.status = STATUS[result.status]
+    if result.message:
+        out.reward.message = result.message
+    if result.components:
+        out.reward.components.update(result.components)
+    out.scorer_name = scored.scorer_name
+    out.scorer_version = scored.scorer_version
+    out.latency_seconds = scored.latency_s
 
 
 def describe(info: Any) -> reward_pb2.ScorerDescription:

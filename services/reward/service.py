@@ -20,8 +20,19 @@ from prometheus_client import Counter, Histogram
 
 from rlfabric.common.runspec import RewardSpec
 from rlfabric.reward.pool import ScorerPool
-from rlfabric.reward.scorers import SCORERS, ScoreInput, Scorer, ScoreResult, arun_scorer, build_scorer
+from rlfabric.reward.scorers import (
+    SCORERS,
+    ScoreInput,
+    Scorer,
+    ScoreResult,
+    arun_scorer,
+    build_scorer,
+    safe_score_batch,
+)
 
+# Linear-time string arithmetic: scored on the event loop itself, where a thread hop would cost more than
+# the scoring (user patterns, which can backtrack for ever, are not among them).
+DIRECT_SCORERS = frozenset({"exact_match", "length_penalty", "overlong_penalty"})
 # Built scorers kept for reuse, keyed by spec; a reward model held here is loaded once.
 SCORER_CACHE_SIZE = 32
 
@@ -120,7 +131,9 @@ class RewardEngine:
         scorer = self.resolve(spec)
         per_item = item_timeout_s or self.item_timeout_s
         start = time.perf_counter()
-        if self.runs_inline(spec):
+        if spec.name in DIRECT_SCORERS:
+            results = safe_score_batch(scorer, items)  # microseconds per item: a thread hop costs more
+        elif self.runs_inline(spec):
             results = await arun_scorer(scorer, items, timeout_s, item_timeout_s=per_item)
         else:
             payload = [asdict(item) for item in items]
