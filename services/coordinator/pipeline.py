@@ -416,17 +416,11 @@ class RunPipeline:
             await asyncio.sleep(0.5)
 
     async def evaluate(self, held_out: list[PromptRow], step: int) -> None:
-        """Scores the held-out prompts with the serving policy; never enqueued, never trained on."""
-        rewards: list[float] = []
-        versions: set[int] = set()
-        for row in held_out:
-            item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0, held_out=True)
-            try:
-                samples = await self.generate(item, row)
-            except ReplicaFailed:
-                continue
-            versions.update(s.policy_version for s in samples)
-            rewards.extend(r.reward for r in await self.score(row, samples) if r.status == "ok")
+        """Scores the held-out prompts with the serving policy, all at once (so the result describes one
+        version, not several); never enqueued, never trained on."""
+        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in held_out))
+        rewards = [r for rs, _ in outcomes for r in rs]
+        versions = [v for _, vs in outcomes for v in vs]
         if rewards:
             result = {
                 "reward_mean": sum(rewards) / len(rewards),
@@ -434,3 +428,12 @@ class RunPipeline:
                 "step": step,
             }
             await self.redis.rpush(self.keys.eval, json.dumps(result))
+
+    async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
+        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0, held_out=True)
+        try:
+            samples = await self.generate(item, row)
+        except ReplicaFailed:
+            return [], []
+        scores = await self.score(row, samples)
+        return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]

@@ -18,7 +18,7 @@ import redis
 from rlfabric.common.procs import ServiceProcess
 from rlfabric.learner.checkpoint import META, latest_complete
 
-STEPS = 10
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
