@@ -72,15 +72,14 @@ class InFlight:
     epoch: int
     position: int
     attempts: int = 0
-    held_out: bool = False
 
 
 class Keys:
     def __init__(self, run_id: str) -> None:
         base = f"rlfabric:{run_id}"
         self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
-        self.counters, self.step, self.stop = f"{base}:counters", f"{base}:step", f"{base}:stop_requested"
-        self.eval, self.metrics, self.groups = f"{base}:eval", f"{base}:metrics", groups_key(run_id)
+        self.counters, self.step = f"{base}:counters", f"{base}:step"
+        self.eval, self.groups = f"{base}:eval", groups_key(run_id)
 
 
 class ReplicaPool:
@@ -187,7 +186,6 @@ class RunPipeline:
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
         self.rows: dict[str, PromptRow] = {}
-        self.queued = 0
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -213,7 +211,6 @@ class RunPipeline:
         self.rows = {r.prompt_id: r for r in rows}
         cursor = PromptCursor(self.redis, self.run_id, train, self.spec.dataset)
         await ensure_consumer_group(self.redis, self.run_id)
-        self.queued = int(await self.redis.scard(self.keys.enqueued))
         watcher = asyncio.get_running_loop().create_task(self.replicas.watch())
         evaluator = asyncio.get_running_loop().create_task(self.evaluate_periodically(held_out))
         try:
@@ -359,7 +356,6 @@ class RunPipeline:
             args=[item.group_id, group.SerializeToString()],
         )
         if added:
-            self.queued += 1
             await self.count("groups_queued")
 
     def build_group(
@@ -430,7 +426,7 @@ class RunPipeline:
             await self.redis.rpush(self.keys.eval, json.dumps(result))
 
     async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
-        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0, held_out=True)
+        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
             samples = await self.generate(item, row)
         except ReplicaFailed:

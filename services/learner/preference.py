@@ -33,7 +33,7 @@ from rlfabric.learner.algorithms import PREFERENCE_LOSSES, masked_sum
 from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
 from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype
-from rlfabric.learner.trainer import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
+from rlfabric.learner.parts import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
 
 SUMMED_STATS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 """The losses' per-pair statistics (batch means), accumulated as sums over pairs."""

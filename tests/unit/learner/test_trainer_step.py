@@ -13,7 +13,8 @@ from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.checkpoint import COMPLETE, checkpoint_dir, latest_complete, prune
 from rlfabric.learner.dist import World, init_distributed
-from rlfabric.learner.trainer import Trainer, lr_multiplier
+from rlfabric.learner.parts import lr_multiplier
+from rlfabric.learner.trainer import Trainer
 
 CPU = torch.device("cpu")
 
@@ -199,12 +200,12 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def test_chunked_logprobs_and_entropy_match_a_full_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlfabric.learner import trainer as trainer_module
+    from rlfabric.learner import parts
 
-    monkeypatch.setattr(trainer_module, "LOGPROB_CHUNK", 3)
+    monkeypatch.setattr(parts, "LOGPROB_CHUNK", 3)
     logits = torch.randn(2, 7, 11, requires_grad=True)
     targets = torch.randint(0, 11, (2, 7))
-    logp, entropy = trainer_module.token_logprobs_and_entropy(logits, targets, entropy_grad=False)
+    logp, entropy = parts.token_logprobs_and_entropy(logits, targets, entropy_grad=False)
     full = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(logp, full.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach())

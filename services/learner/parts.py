@@ -1,0 +1,104 @@
+"""The building blocks the learner's trainers share (`trainer.py` for RL, `preference.py` for DPO/IPO):
+loading a causal LM sharded with FSDP2, target log-probs and entropy in bounded chunks, AdamW with its
+LR schedule, and one clipped optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.optim import AdamW, Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from rlfabric.common.runspec import OptimSpec, RunSpec
+from rlfabric.learner.algorithms import entropy_from_logits
+from rlfabric.learner.dist import shard_model
+
+LOGPROB_CHUNK = 1024
+"""Positions per chunk when turning logits into log-probs: bounds the float32 copy of the logits."""
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+def load_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, *, trainable: bool, checkpointing: bool
+) -> nn.Module:
+    """A causal LM from `path` with float32 master weights on `device`, sharded with FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.config.use_cache = False
+    if checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module: nn.Module = model
+    module.requires_grad_(trainable)
+    module.train(trainable)
+    module.to(device)
+    shard_model(module, dtype)
+    return module
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and the entropy per position, in float32 chunks along T.
+
+    `logits` (B, T, V), `targets` (B, T) → `(logp, entropy)`, both (B, T). The entropy carries a
+    gradient only with `entropy_grad` (it is otherwise a metric and needs no graph).
+    """
+    logps, entropies = [], []
+    for start in range(0, logits.shape[1], LOGPROB_CHUNK):
+        chunk = logits[:, start : start + LOGPROB_CHUNK].float()
+        target = targets[:, start : start + LOGPROB_CHUNK].unsqueeze(-1)
+        logps.append(chunk.gather(-1, target).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies.append(entropy_from_logits(chunk))
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
+
+
+# -- optimiser ------------------------------------------------------------------------------------------
+
+
+def lr_multiplier(step: int, optim: OptimSpec, total_steps: int) -> float:
+    """Factor on the peak LR at optimizer step `step` (0-based): linear warm-up to 1 over
+    `warmup_steps` (the first step already moves), then constant, linear or cosine decay to 0 at
+    `total_steps`."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    if optim.schedule == "linear":
+        return 1.0 - progress
+    if optim.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def build_optimizer(model: nn.Module, spec: RunSpec, lr: float | None = None) -> tuple[AdamW, LambdaLR]:
+    """AdamW over the trainable parameters and its LR schedule from `spec.optim`; peak `lr` (default
+    `optim.lr`)."""
+    optim = spec.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    peak = optim.lr if lr is None else lr
+    optimizer = AdamW(params, lr=peak, betas=optim.betas, weight_decay=optim.weight_decay)
+
+    total_steps = spec.train.steps * spec.algorithm.ppo_epochs  # each epoch is an optimizer step
+
+    def schedule(step: int) -> float:
+        return lr_multiplier(step, optim, total_steps)
+
+    return optimizer, LambdaLR(optimizer, schedule)
+
+
+def clip_and_step(
+    model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler, clip: float | None
+) -> tuple[float, float]:
+    """Clip `model`'s global grad norm, step `optimizer` and `scheduler`; returns (grad_norm, lr used)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    lr = float(scheduler.get_last_lr()[0])
+    optimizer.step()
+    scheduler.step()
+    return float(norm), lr
