@@ -1,0 +1,218 @@
+"""The ledger check on hand-made books (fakeredis + a checkpoint folder written here): a run whose books
+balance passes with every outcome counted, and each way books can fail to balance is reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from rlfabric.common.ledger import IN_FLIGHT, TRAINED, LedgerViolation, check, read_books, reconcile
+from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key
+from rlfabric.v1 import common_pb2, queue_pb2
+
+RUN = "books"
+BASE = f"rlfabric:{RUN}"
+
+
+class Run:
+    """Writes a run's books the way the coordinator and the learner do (same keys, same fields)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.redis = fakeredis.FakeRedis()
+        self.root = tmp_path / "checkpoints"
+        self.entry: dict[str, bytes] = {}
+        self.applied: list[list[object]] = []
+        self.redis.xgroup_create(groups_key(RUN), CONSUMER_GROUP, id="0", mkstream=True)
+
+    def dispatch(self, group_id: str) -> None:
+        self.redis.hset(f"{BASE}:inflight", group_id, "{}")
+        self.redis.hincrby(f"{BASE}:counters", "prompts_dispatched", 1)
+
+    def enqueue(self, group_id: str, version: int = 0) -> None:
+        group = queue_pb2.ScoredGroup(run_id=RUN, group_id=group_id, policy_version=version)
+        group.samples.add(sample_index=0, token_ids=[1], logprobs=[-1.0], policy_version=version)
+        group.samples[0].reward.status = common_pb2.REWARD_STATUS_OK
+        self.redis.sadd(f"{BASE}:enqueued", group_id)
+        self.entry[group_id] = self.redis.xadd(
+            groups_key(RUN), {"data": group.SerializeToString(), "group_id": group_id}
+        )
+        self.redis.hdel(f"{BASE}:inflight", group_id)
+        self.redis.hincrby(f"{BASE}:counters", "groups_queued", 1)
+
+    def drop(self, group_id: str, reason: str) -> None:
+        self.redis.xadd(f"{BASE}:dropped", {"group_id": group_id, "prompt_id": "p", "reason": reason})
+        self.redis.hdel(f"{BASE}:inflight", group_id)
+        self.redis.hincrby(f"{BASE}:counters", f"dropped_{reason}", 1)
+
+    def deliver(self, count: int = 100) -> None:
+        self.redis.xreadgroup(CONSUMER_GROUP, "learner-0", {groups_key(RUN): ">"}, count)
+
+    def ack(self, *group_ids: str) -> None:
+        entries = [self.entry[g] for g in group_ids if g in self.entry]
+        if entries:
+            self.redis.xack(groups_key(RUN), CONSUMER_GROUP, *entries)
+
+    def train(self, step: int, *group_ids: str, version: int) -> None:
+        self.applied += [[step, g] for g in group_ids]
+        self.redis.xadd(f"{BASE}:metrics", {"row": json.dumps({"step": step, "policy_version": version})})
+        self.checkpoint(step)
+        self.ack(*group_ids)
+
+    def drop_stale(self, group_id: str) -> None:
+        self.redis.xadd(f"{BASE}:dropped", {"group_id": group_id, "reason": "stale", "lag": "2"})
+        self.ack(group_id)
+
+    def dead_letter(self, group_id: str, reason: str = "max_deliveries") -> None:
+        entry = self.entry[group_id]
+        self.redis.xadd(
+            dead_letter_key(RUN),
+            {"data": b"", "group_id": group_id, "reason": reason, "entry_id": entry, "error": "x"},
+        )
+        self.redis.xack(groups_key(RUN), CONSUMER_GROUP, entry)
+
+    def checkpoint(self, step: int, ledger: list[str] | None = None) -> None:
+        folder = self.root / f"step-{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        ids = sorted({str(g) for _, g in self.applied}) if ledger is None else ledger
+        extra = {
+            "applied_log": {"str": json.dumps(self.applied)},
+            "ledger": {"str": json.dumps(ids)},
+        }
+        (folder / "meta.json").write_text(json.dumps({"step": step, "policy_version": step, "extra": extra}))
+        (folder / "COMPLETE").write_text("{}")
+
+    def violations(self) -> list[str]:
+        return reconcile(read_books(self.redis, RUN, self.root)).violations
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    """A balanced run: every kind of outcome once."""
+    run = Run(tmp_path)
+    for g in ["a", "b", "c", "d", "e", "f", "zv", "err", "late"]:
+        run.dispatch(g)
+    for g in ["a", "b", "c", "d", "e", "f"]:
+        run.enqueue(g)
+    run.drop("zv", "zero_variance")
+    run.drop("err", "scorer_error")
+    run.deliver(4)  # a, b, c, d delivered; e, f undelivered
+    run.train(1, "a", "b", version=1)
+    run.drop_stale("c")
+    run.dead_letter("d")
+    return run  # "late" still in flight at the coordinator
+
+
+def test_balanced_books_pass_with_every_outcome_counted(run: Run) -> None:
+    ledger = check(run.redis, RUN, run.root)
+    assert ledger.violations == []
+    assert ledger.count() == {
+        TRAINED: 2,
+        IN_FLIGHT: 3,  # "late" at the coordinator, e and f undelivered
+        "dropped:stale": 1,
+        "dropped:zero_variance": 1,
+        "dropped:scorer_error": 1,
+        "dead_lettered:max_deliveries": 1,
+    }
+    assert ledger.outcomes["a"] == [TRAINED] and ledger.outcomes["late"] == [IN_FLIGHT]
+
+
+def test_delivered_but_unacknowledged_is_in_flight(run: Run) -> None:
+    run.deliver()  # e, f pending now (a learner died mid-step)
+    ledger = check(run.redis, RUN, run.root)
+    assert ledger.outcomes["e"] == ledger.outcomes["f"] == [IN_FLIGHT]
+
+
+def test_poison_entry_dead_lettered_is_fine_but_an_unexplained_one_is_not(run: Run) -> None:
+    poison = run.redis.xadd(groups_key(RUN), {"data": b"\xff\xff not a group"})
+    run.deliver()
+    record = {"data": b"", "group_id": "", "reason": "decode", "entry_id": poison}
+    run.redis.xadd(dead_letter_key(RUN), record)
+    run.redis.xack(groups_key(RUN), CONSUMER_GROUP, poison)
+    assert run.violations() == []
+    run.redis.xadd(groups_key(RUN), {"data": b"junk"})
+    run.deliver()
+    run.redis.xack(groups_key(RUN), CONSUMER_GROUP, run.redis.xrange(groups_key(RUN))[-1][0])
+    assert any("never enqueued" in v for v in run.violations())
+
+
+def test_a_group_trained_twice_fails(run: Run) -> None:
+    run.train(2, "a", version=2)
+    with pytest.raises(LedgerViolation, match="'a' trained 2 times"):
+        check(run.redis, RUN, run.root)
+
+
+def test_an_acknowledged_group_never_trained_is_lost(run: Run) -> None:
+    run.deliver()
+    run.ack("e")  # acked without a step, a stale record or a dead letter
+    assert any("'e'" in v and "acknowledged but never trained" in v for v in run.violations())
+
+
+def test_a_prompt_that_vanished_from_the_books_fails(run: Run) -> None:
+    run.redis.hdel(f"{BASE}:inflight", "late")  # drawn, counted, then neither enqueued nor dropped
+    assert any(v.startswith("prompts_dispatched=9") for v in run.violations())
+
+
+def test_a_trained_group_that_was_never_enqueued_fails(run: Run) -> None:
+    run.train(2, "ghost", version=2)
+    assert "group 'ghost' trained but never enqueued" in run.violations()
+
+
+def test_a_trimmed_entry_fails(run: Run) -> None:
+    run.redis.xdel(groups_key(RUN), run.entry["f"])
+    assert any("'f' enqueued but missing from the stream" in v for v in run.violations())
+
+
+def test_a_group_both_dropped_and_enqueued_fails(run: Run) -> None:
+    run.drop("a", "scorer_error")
+    assert any("'a' has 2 outcomes" in v for v in run.violations())
+
+
+def test_a_stale_group_that_was_also_trained_fails(run: Run) -> None:
+    run.deliver()
+    run.train(2, "e", version=2)
+    run.drop_stale("e")
+    assert any("'e' has 2 outcomes" in v for v in run.violations())
+
+
+def test_versions_going_backwards_fail(run: Run) -> None:
+    run.redis.xadd(f"{BASE}:metrics", {"row": json.dumps({"step": 1, "policy_version": 1})})
+    assert any("not increasing" in v for v in run.violations())
+
+
+def test_a_sample_of_an_unpublished_version_fails(run: Run) -> None:
+    run.dispatch("future")
+    run.enqueue("future", version=7)
+    assert "group 'future' carries unpublished versions [7]" in run.violations()
+
+
+def test_steps_without_a_checkpoint_fail(run: Run, tmp_path: Path) -> None:
+    assert (
+        "the learner reported steps but left no complete checkpoint"
+        in reconcile(read_books(run.redis, RUN, tmp_path / "nowhere")).violations
+    )
+
+
+def test_an_incomplete_checkpoint_is_ignored(run: Run) -> None:
+    run.deliver()
+    run.train(2, "e", version=2)
+    (run.root / "step-000002" / "COMPLETE").unlink()  # died while writing step 2: step 1 is the lineage
+    books = read_books(run.redis, RUN, run.root)
+    assert books.checkpoint_step == 1
+    found = reconcile(books).violations
+    assert any("('e') acknowledged but never trained" in v for v in found), found
+
+
+def test_a_checkpoint_whose_ledger_disagrees_with_its_log_fails(run: Run) -> None:
+    run.checkpoint(1, ledger=["a"])
+    assert "the checkpoint's applied-group ledger differs from its applied log" in run.violations()
+
+
+def test_counters_that_disagree_with_the_records_fail(run: Run) -> None:
+    run.redis.hincrby(f"{BASE}:counters", "dropped_zero_variance", 1)
+    run.redis.hincrby(f"{BASE}:counters", "groups_queued", 1)
+    found = run.violations()
+    assert "dropped_zero_variance=2 != 1 records" in found
+    assert "groups_queued=7 != 6" in found
