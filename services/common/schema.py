@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -60,6 +60,21 @@ class RedisConfig(StrictModel):
     """Redis URL. The server must run with appendonly yes and maxmemory-policy noeviction."""
     socket_timeout_s: float = Field(default=10.0, gt=0)
     """Timeout of a single Redis command."""
+
+    def connect(self) -> Any:
+        """A `redis.asyncio.Redis` (bytes replies) that rides out a Redis restart: a command whose
+        connection fails is retried with exponential backoff for about 30 s, then fails loudly."""
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        return Redis.from_url(
+            self.url,
+            socket_timeout=self.socket_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=20),
+            retry_on_error=[ConnectionError, TimeoutError],
+        )
 
 
 class ClientTlsConfig(StrictModel):

@@ -24,12 +24,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def run(config: CoordinatorServiceConfig) -> None:
     import uvicorn
-    from redis.asyncio import Redis
 
     from rlfabric.coordinator.api import create_app
     from rlfabric.coordinator.manager import RunManager
 
-    redis = Redis.from_url(config.redis.url, socket_timeout=config.redis.socket_timeout_s)
+    redis = config.redis.connect()
     manager = RunManager(config, redis)
     app = create_app(config, redis, on_submit=manager.on_submit, on_stop=manager.on_stop)
     sock = bind(config.api.host, config.api.port)

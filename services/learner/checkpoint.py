@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rlfabric.common import failpoints
 from rlfabric.learner.dist import World, barrier
 
 COMPLETE = "COMPLETE"
@@ -84,6 +85,7 @@ def save_checkpoint(root: str | Path, state: CheckpointState, objects: TrainObje
     torch.save(_rng_state(), tmp / _rng_name(world.rank))
     barrier(world)
     if world.is_main:
+        failpoints.hit("learner.checkpoint_write")  # tensors written, meta and marker not yet
         _write_meta(tmp, state, objects, groups)
         (tmp / COMPLETE).write_text(json.dumps({"step": state.step}))
         shutil.rmtree(final, ignore_errors=True)

@@ -73,11 +73,7 @@ class Learner:
         self.ledger, self.applied_log = restore(self.trainer, self.paths)
         if not self.world.is_main:
             return
-        import redis.asyncio as aioredis
-
-        self.redis = aioredis.Redis.from_url(
-            self.config.redis.url, socket_timeout=self.config.redis.socket_timeout_s
-        )
+        self.redis = self.config.redis.connect()
         name = self.config.consumer_name or f"learner-{socket.gethostname()}"
         consumer = GroupConsumer(
             self.redis,

@@ -1,0 +1,235 @@
+"""The whole loop as real processes for the fault scenarios: redis-server (AOF), the reward service, rollout
+replicas, the learner and the coordinator, each a `rlfabric serve` process on loopback, and a run submitted
+over REST. A scenario breaks one part, lets the run finish, and checks the books with the ledger.
+
+Ports that a restarted process must keep (Redis, the reward service) are chosen once; everything else binds
+port 0. Every process is stopped by PID (`ServiceProcess`), its log kept under the scenario's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+from rlfabric.common import ledger
+from rlfabric.common.procs import ServiceProcess
+from rlfabric.common.runspec import RunSpec
+
+RUN = "faults"
+TOKEN = "fault-suite-token"
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlfabric.cli", *args]
+
+
+def write_prompts(path: Path, count: int = 40) -> Path:
+    path.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": f"say {i} now"}) + "\n" for i in range(count))
+    )
+    return path
+
+
+def run_spec(folder: Path, model: Path, **overrides: Any) -> RunSpec:
+    """A short run that a tiny model on two cores gets through in seconds per step. Rewards come from the
+    length penalty (cheap, inline, varied), so few groups are dropped as zero-variance."""
+    spec: dict[str, Any] = {
+        "name": RUN,
+        "output_dir": str(folder / "runs"),
+        "model": {"path": str(model), "max_model_len": 256},
+        "dataset": {
+            "path": str(write_prompts(folder / "prompts.jsonl")),
+            "reference_field": None,
+            "epochs": 50,
+        },
+        "rollout": {"sampling": {"n": 4, "max_tokens": 8}, "max_staleness": 1},
+        "reward": {"scorer": "length_penalty", "params": {"target_length": 4}},
+        "optim": {"lr": 0.003},
+        "train": {"steps": 6, "groups_per_step": 4, "micro_batch_size": 16, "checkpoint_every": 2},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
+    return RunSpec.model_validate(spec)
+
+
+class Stack:
+    """One scenario's processes. `start()` brings everything up and submits the run."""
+
+    def __init__(
+        self,
+        folder: Path,
+        spec: RunSpec,
+        *,
+        engine: str = "transformers",
+        vllm_env: dict[str, str] | None = None,
+        reward_address: str | None = None,
+    ) -> None:
+        self.folder, self.spec, self.engine = folder, spec, engine
+        self.env = dict(vllm_env or os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
+        self.redis_port, self.reward_port = free_port(), free_port()
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.reward_address = reward_address or f"127.0.0.1:{self.reward_port}"
+        self.procs: dict[str, ServiceProcess] = {}
+        self.url = ""
+        self.run_dir = Path(spec.output_dir) / spec.name
+        self.client: redis.Redis | None = None
+        self.appendfsync = "everysec"
+        """Redis's AOF fsync policy: "always" makes a SIGKILLed Redis lose nothing it acknowledged."""
+
+    # --- processes --------------------------------------------------------------------------------
+
+    def _proc(self, name: str, argv: list[str], ready: str, timeout_s: float = 180, **kw: Any) -> str:
+        proc = ServiceProcess(name, argv, log_path=self.folder / "logs" / f"{name}.log", env=kw.get("env"))
+        self.procs[name] = proc
+        match = proc.start(ready, timeout_s=timeout_s)
+        return match.group(1) if match.groups() else ""
+
+    def start_redis(self) -> None:
+        data = self.folder / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        argv = ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(data)]
+        argv += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--maxmemory-policy", "noeviction"]
+        self._proc("redis", [*argv, "--save", ""], r"Ready to accept connections()", timeout_s=30)
+        self.client = redis.Redis.from_url(self.redis_url)
+
+    def start_reward(self, *settings: str) -> None:
+        argv = cli("serve", "reward", "--port", str(self.reward_port), "--set", "workers=1")
+        for setting in settings:
+            argv += ["--set", setting]
+        self._proc("reward", argv, r"listening on (\S+)", timeout_s=60, env=self.env)
+
+    def start_replica(self, name: str, ready: str = r"serving version (\d+)") -> str:
+        argv = cli(
+            "serve", "rollout", "--model", self.spec.model.path, "--port", "0", "--engine", self.engine
+        )
+        settings = [
+            f"run_id={self.spec.name}", f"redis.url={self.redis_url}", f"replica_id={name}",
+            f"weights_root={self.run_dir / 'weights'}", "heartbeat_s=0.5", "version_poll_s=0.2",
+            "engine.max_model_len=256", "engine.kv_cache_bytes=134217728", "engine.enforce_eager=true",
+        ]  # fmt: skip
+        for setting in settings:
+            argv += ["--set", setting]
+        return self._proc(name, argv, ready, env=self.env)
+
+    def start_learner(self, failpoints: str = "", name: str = "learner") -> None:
+        config = {
+            "run_id": self.spec.name,
+            "redis": {"url": self.redis_url},
+            "server": {"port": 0},
+            "log": {"format": "text"},
+            "consumer_name": "learner-0",
+            "run": json.loads(self.spec.model_dump_json()),
+        }
+        path = self.folder / "learner.yaml"
+        path.write_text(yaml.safe_dump(config))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
+        self._proc(name, cli("serve", "learner", "--config", str(path)), r"listening on (\S+)", env=env)
+
+    def start_coordinator(self) -> None:
+        argv = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={self.redis_url}")
+        argv += ["--set", f"reward_address={self.reward_address}", "--set", f"api.token={TOKEN}"]
+        self.url = self._proc("coordinator", argv, r"listening on (http://\S+)", timeout_s=60)
+
+    def start(self, replicas: int = 1, failpoints: str = "", reward_settings: tuple[str, ...] = ()) -> None:
+        """Everything, the slow starters in parallel, then the run."""
+        self.start_redis()
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(self.start_reward, *reward_settings)]
+            jobs += [pool.submit(self.start_replica, f"rollout-{i}") for i in range(replicas)]
+            jobs.append(pool.submit(self.start_learner, failpoints))
+            for job in jobs:
+                job.result()
+        self.start_coordinator()
+        self.submit()
+
+    def submit(self) -> None:
+        body = json.loads(self.spec.model_dump_json())
+        response = httpx.post(f"{self.url}/v1/runs", json=body, headers=self.auth, timeout=30)
+        assert response.status_code == 201, response.text
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {TOKEN}"}
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process (and what it spawned) by PID."""
+        self.procs[name].kill()
+
+    def restart_redis(self, *, sigkill: bool = False) -> None:
+        proc = self.procs["redis"]
+        proc.kill() if sigkill else proc.stop(grace_s=30)
+        self.start_redis()
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop(grace_s=20)
+        if self.client is not None:
+            self.client.close()
+
+    # --- observing --------------------------------------------------------------------------------
+
+    def step(self) -> int:
+        assert self.client is not None
+        try:
+            return int(self.client.get(f"rlfabric:{self.spec.name}:step") or 0)
+        except redis.ConnectionError:
+            return 0
+
+    def counters(self) -> dict[str, int]:
+        assert self.client is not None
+        raw = self.client.hgetall(f"rlfabric:{self.spec.name}:counters")
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def status(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/v1/runs/{self.spec.name}", headers=self.auth, timeout=10)
+        response.raise_for_status()
+        return dict(response.json())
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 180, what: str = "") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not reached in {timeout_s} s: {what}\n{self.tails()}")
+
+    def wait_for_step(self, step: int, timeout_s: float = 180) -> None:
+        self.wait(lambda: self.step() >= step, timeout_s, f"learner step {step}")
+
+    def finish(self, timeout_s: float = 240) -> dict[str, Any]:
+        """Waits for the run to complete and the learner to exit; returns the run's status."""
+        self.wait(lambda: self.status()["state"] in ("completed", "failed", "stopped"), timeout_s, "run end")
+        status = self.status()
+        assert status["state"] == "completed", status
+        learner = self.procs["learner"]
+        assert learner.proc is not None
+        assert learner.proc.wait(120) == 0, self.tails()
+        return status
+
+    def books(self) -> ledger.Ledger:
+        """The ledger check of this run (raises LedgerViolation when the books do not balance)."""
+        assert self.client is not None
+        weights = str(self.run_dir / "weights")
+        return ledger.check(self.client, self.spec.name, self.run_dir / "checkpoints", weights_root=weights)
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n" + "\n".join(list(p.tail)[-15:]) for n, p in self.procs.items())
