@@ -203,8 +203,8 @@ def reconcile(books: Books) -> Ledger:
     trained = _trained(books, violations)
     for group_id in books.in_flight:
         outcomes.setdefault(group_id, []).append(IN_FLIGHT)
-    for record in books.dropped:
-        outcomes.setdefault(record.get("group_id", ""), []).append("dropped:" + record.get("reason", "?"))
+    for group_id, reason in _unique_drops(books.dropped):
+        outcomes.setdefault(group_id, []).append("dropped:" + reason)
     dead = {r.get("group_id", ""): r.get("reason", "?") for r in books.dead}
     _reconcile_stream(books, trained, dead, outcomes, violations)
     _check_counters(books, violations)
@@ -213,6 +213,12 @@ def reconcile(books: Books) -> Ledger:
         if len(found) != 1:
             violations.append(f"group {group_id!r} has {len(found)} outcomes: {found}")
     return Ledger(outcomes, violations)
+
+
+def _unique_drops(records: list[dict[str, str]]) -> list[tuple[str, str]]:
+    """(group id, reason) of each drop record, once: a record written twice (a command retried after
+    Redis died between executing it and replying) names the same outcome, not a second one."""
+    return list(dict.fromkeys((r.get("group_id", ""), r.get("reason", "?")) for r in records))
 
 
 def _trained(books: Books, violations: list[str]) -> set[str]:
@@ -273,7 +279,7 @@ def _entry_outcome(
 
 
 def _check_counters(books: Books, violations: list[str]) -> None:
-    drops = [d for d in books.dropped if d.get("reason") != "stale"]
+    drops = [(g, reason) for g, reason in _unique_drops(books.dropped) if reason != "stale"]
     dispatched = books.counters.get("prompts_dispatched", 0)
     known = len(books.enqueued) + len(drops) + len(books.in_flight)
     if dispatched != known:
@@ -283,7 +289,7 @@ def _check_counters(books: Books, violations: list[str]) -> None:
         )
     if books.counters.get("groups_queued", 0) != len(books.enqueued):
         violations.append(f"groups_queued={books.counters.get('groups_queued', 0)} != {len(books.enqueued)}")
-    for reason, n in Counter(d.get("reason", "?") for d in drops).items():
+    for reason, n in Counter(reason for _, reason in drops).items():
         if books.counters.get(f"dropped_{reason}", 0) != n:
             violations.append(f"dropped_{reason}={books.counters.get(f'dropped_{reason}', 0)} != {n} records")
 

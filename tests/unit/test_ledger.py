@@ -216,3 +216,9 @@ def test_counters_that_disagree_with_the_records_fail(run: Run) -> None:
     found = run.violations()
     assert "dropped_zero_variance=2 != 1 records" in found
     assert "groups_queued=7 != 6" in found
+
+
+def test_a_drop_recorded_twice_is_one_outcome(run: Run) -> None:
+    run.redis.xadd(f"{BASE}:dropped", {"group_id": "c", "reason": "stale", "lag": "2"})  # a retried XADD
+    ledger = check(run.redis, RUN, run.root)
+    assert ledger.outcomes["c"] == ["dropped:stale"]
