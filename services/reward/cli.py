@@ -140,7 +140,7 @@ async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, 
             async with gate:
                 scored = await engine.score(spec, batch, timeout_s=args.timeout)
             bar.update(len(batch))
-            return [local_result(item.id, s) for item, s in zip(batch, scored, strict=True)]
+            return [local_result(item.id, r, scored) for item, r in zip(batch, scored.results, strict=True)]
 
         parts = await asyncio.gather(*(one(b) for b in batches(items, args.batch_size)))
     finally:
@@ -148,10 +148,10 @@ async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, 
     return [r for part in parts for r in part]
 
 
-def local_result(item_id: str, scored: Any) -> Any:
+def local_result(item_id: str, r: Any, scored: Any) -> Any:
+    """The `ItemResult` of one item's `ScoreResult` `r` from the `ScoredBatch` `scored`."""
     from rlfabric.reward.client import ItemResult
 
-    r = scored.result
     return ItemResult(
         item_id,
         r.reward,

@@ -110,7 +110,7 @@ def build_request(
                 prompt=prompt_to_proto(x.prompt),
                 completion=x.completion,
                 reference=x.reference,
-                metadata=struct(x.metadata),
+                metadata=struct(x.metadata) if x.metadata else None,
             )
             for x in inputs
         ],

@@ -3,10 +3,17 @@
 Request validation lives here (it is about the wire format): an empty batch, an item without a
 completion, an unknown scorer or bad parameters answer INVALID_ARGUMENT; a batch or item over the size
 limits answers RESOURCE_EXHAUSTED. Scorer faults are per-item statuses, never RPC errors.
+
+For cheap scorers this adapter, not the scoring, is most of the server's CPU per item, so the per-item
+conversions are kept to plain field reads and writes: a request's scorer spec is converted once per
+distinct spec (`SpecCache`), item sizes are checked one by one only when the whole request could hold an
+oversized item, and results are written into the response in place.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -14,7 +21,7 @@ from google.protobuf import json_format
 
 from rlfabric.common.errors import InvalidArgument, ResourceExhausted
 from rlfabric.reward.scorers import InvalidScorerSpec, ScoreInput, describe_scorers
-from rlfabric.reward.service import RewardEngine, ScoredItem, ScorerSpec
+from rlfabric.reward.service import RewardEngine, ScoredBatch, ScorerSpec
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 STATUS = {
@@ -24,6 +31,8 @@ STATUS = {
 }
 # Used when the client sets no deadline: a batch may not hold the server forever.
 DEFAULT_BATCH_TIMEOUT_S = 300.0
+# Distinct scorer specs whose conversion is remembered (a training run sends one spec, over and over).
+SPEC_CACHE_SIZE = 256
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -31,12 +40,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.engine = engine
         self.max_batch_items = max_batch_items
         self.max_item_bytes = max_item_bytes
+        self.specs = SpecCache(SPEC_CACHE_SIZE)
 
     async def Score(
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
         self.check_sizes(request)
-        spec = spec_from_proto(request.scorer)
+        spec = self.specs.get(request.scorer)
         items = [item_from_proto(i, item) for i, item in enumerate(request.items)]
         remaining = context.time_remaining()
         timeout = DEFAULT_BATCH_TIMEOUT_S if remaining is None else max(remaining - 0.05, 0.001)
@@ -46,10 +56,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             )
         except InvalidScorerSpec as exc:
             raise InvalidArgument(f"scorer.{exc}") from exc
-        response = reward_pb2.ScoreResponse()
-        for item, result in zip(items, scored, strict=True):
-            fill(response.results.add(), item.id, result)
-        return response
+        return response_from(items, scored)
 
     async def ListScorers(
         self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext
@@ -63,12 +70,34 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise ResourceExhausted(
                 f"items: {len(request.items)} items exceed the limit of {self.max_batch_items}"
             )
+        if request.ByteSize() <= self.max_item_bytes:
+            return  # no item can be larger than the whole request
         for i, item in enumerate(request.items):
             size = item.ByteSize()
             if size > self.max_item_bytes:
                 raise ResourceExhausted(
                     f"items[{i}]: {size} bytes exceed the per-item limit of {self.max_item_bytes}"
                 )
+
+
+class SpecCache:
+    """`spec_from_proto` remembered by the spec's serialized bytes (least recently used dropped first).
+
+    Returning the same `ScorerSpec` object for the same spec also keeps its cache key computed once.
+    A spec that fails to convert is not remembered: it raises every time.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._specs: OrderedDict[bytes, ScorerSpec] = OrderedDict()
+
+    def get(self, message: reward_pb2.ScorerSpec) -> ScorerSpec:
+        key = message.SerializeToString(deterministic=True)
+        spec = self._specs.pop(key, None) or spec_from_proto(message)
+        self._specs[key] = spec
+        if len(self._specs) > self.size:
+            self._specs.popitem(last=False)
+        return spec
 
 
 def spec_from_proto(spec: reward_pb2.ScorerSpec) -> ScorerSpec:
@@ -98,12 +127,19 @@ def item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreInput:
     if not item.HasField("completion"):
         raise InvalidArgument(f"items[{index}].completion: required (an empty string is allowed)")
     return ScoreInput(
-        id=item.id or str(index),
-        prompt=prompt_from_proto(item.prompt),
-        completion=item.completion,
-        reference=item.reference,
-        metadata=json_format.MessageToDict(item.metadata) if item.metadata.fields else {},
+        item.id or str(index),
+        prompt_from_proto(item.prompt),
+        item.completion,
+        item.reference,
+        metadata_from_proto(item),
     )
+
+
+def metadata_from_proto(item: reward_pb2.ScoreItem) -> dict[str, Any]:
+    """The item's metadata columns; {} when unset or empty (without a conversion)."""
+    if not item.HasField("metadata") or not item.metadata.fields:
+        return {}
+    return json_format.MessageToDict(item.metadata)
 
 
 def prompt_from_proto(prompt: common_pb2.Prompt) -> str | list[dict[str, Any]]:
@@ -115,19 +151,28 @@ def prompt_from_proto(prompt: common_pb2.Prompt) -> str | list[dict[str, Any]]:
     return prompt.text
 
 
-def fill(out: reward_pb2.ItemScore, item_id: str, scored: ScoredItem) -> None:
-    """Writes one result into `out` in place (cheaper than building and copying messages)."""
-    result = scored.result
-    out.id = item_id
-    out.reward.value = result.reward  # NaN unless OK: a failure must never read as a reward of 0
-    out.reward.status = STATUS[result.status]
-    if result.message:
-        out.reward.message = result.message
-    if result.components:
-        out.reward.components.update(result.components)
-    out.scorer_name = scored.scorer_name
-    out.scorer_version = scored.scorer_version
-    out.latency_seconds = scored.latency_s
+def response_from(items: Sequence[ScoreInput], scored: ScoredBatch) -> reward_pb2.ScoreResponse:
+    """The response for `items` and their results, written field by field into messages the response
+    owns (cheaper than building messages and copying them in)."""
+    response = reward_pb2.ScoreResponse()
+    add = response.results.add
+    name, version, latency = scored.scorer_name, scored.scorer_version, scored.latency_s
+    for item, result in zip(items, scored.results, strict=True):
+        out = add()
+        out.id = item.id
+        reward = out.reward
+        reward.value = result.reward  # NaN unless OK: a failure must never read as a reward of 0
+        reward.status = STATUS[result.status]
+        if result.message:
+            reward.message = result.message
+        if result.components:
+            components = reward.components
+            for key, value in result.components.items():
+                components[key] = value
+        out.scorer_name = name
+        out.scorer_version = version
+        out.latency_seconds = latency
+    return response
 
 
 def describe(info: Any) -> reward_pb2.ScorerDescription:

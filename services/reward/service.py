@@ -8,12 +8,13 @@ runs in the `ScorerPool` of worker processes so a slow or hung item never stalls
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
+from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -53,16 +54,18 @@ class ScorerSpec:
     name: str
     params: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def key(self) -> str:
+        """The canonical JSON of the spec (the scorer cache's key); computed once per spec object."""
         return json.dumps({"name": self.name, "params": self.params}, sort_keys=True)
 
 
 @dataclass(frozen=True)
-class ScoredItem:
-    """A result with its provenance. `latency_s` is the wall time of the batch the item was part of."""
+class ScoredBatch:
+    """The results of one batch, `results[i]` for item i, with their provenance (the same for every item
+    of the batch). `latency_s` is the wall time of the whole batch."""
 
-    result: ScoreResult
+    results: list[ScoreResult]
     scorer_name: str
     scorer_version: str
     latency_s: float
@@ -125,7 +128,7 @@ class RewardEngine:
         *,
         timeout_s: float,
         item_timeout_s: float | None = None,
-    ) -> list[ScoredItem]:
+    ) -> ScoredBatch:
         """One result per item, in order, within `timeout_s`. Raises `InvalidScorerSpec` for a bad spec;
         every scorer fault is an item status, never an exception."""
         scorer = self.resolve(spec)
@@ -145,29 +148,11 @@ class RewardEngine:
             )
         latency = time.perf_counter() - start
         record(spec.name, results, latency)
-        version = scorer_version(spec)
-        return [ScoredItem(r, spec.name, version, latency) for r in results]
+        return ScoredBatch(results, spec.name, scorer_version(spec), latency)
 
 
 def record(scorer: str, results: Sequence[ScoreResult], seconds: float) -> None:
     _BATCHES.labels(scorer).inc()
     _BATCH_SECONDS.labels(scorer).observe(seconds)
-    for status in ("ok", "scorer_error", "timeout"):
-        count = sum(1 for r in results if r.status == status)
-        if count:
-            _ITEMS.labels(scorer, status).inc(count)
-
-
-async def score_all(
-    engine: RewardEngine, spec: ScorerSpec, items: Sequence[ScoreInput], *, batch_size: int, timeout_s: float
-) -> list[ScoredItem]:
-    """Scores a long list in batches, `engine.pool.size` batches at a time (for the CLI)."""
-    batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
-    gate = asyncio.Semaphore(max(engine.pool.size, 1))
-
-    async def one(batch: Sequence[ScoreInput]) -> list[ScoredItem]:
-        async with gate:
-            return await engine.score(spec, batch, timeout_s=timeout_s)
-
-    parts = await asyncio.gather(*(one(b) for b in batches))
-    return [item for part in parts for item in part]
+    for status, count in Tally(r.status for r in results).items():
+        _ITEMS.labels(scorer, status).inc(count)
