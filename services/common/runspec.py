@@ -241,6 +241,8 @@ class TrainSpec(StrictModel):
     """Sequences per forward/backward; gradients are accumulated over the step."""
     checkpoint_every: int = Field(default=10, ge=1)
     """Write a resumable checkpoint every k steps (and at the end)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Complete checkpoints kept (older ones are deleted); keep more to roll back further."""
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     seed: int = 0
@@ -278,6 +280,49 @@ class PreferenceSpec(StrictModel):
     """Column with the dispreferred completion (a string)."""
 
 
+HealthCheck = Literal["reward_hacking", "overfitting", "entropy_collapse", "response_length"]
+"""The run-health checks (see `rlfabric.coordinator.health`)."""
+
+
+class HealthThresholds(StrictModel):
+    """Thresholds of the run-health checks; every default lives here."""
+
+    window: int = Field(default=5, ge=1)
+    """Rows averaged for "recent" and "before" values."""
+    kl_jump_factor: float = Field(default=2.0, gt=1.0)
+    """Reward hacking: recent KL is at least this multiple of the window before..."""
+    kl_floor: float = Field(default=1e-3, ge=0.0)
+    """...with the earlier KL taken as at least this (so KL rising from ~0 must reach a real size)..."""
+    reward_jump: float = Field(default=0.1, gt=0.0)
+    """...while the mean reward rose by at least this much between the two windows."""
+    eval_points: int = Field(default=3, ge=2)
+    """Overfitting: held-out evaluations compared (the first and the last of the most recent ones)."""
+    eval_drop: float = Field(default=0.02, gt=0.0)
+    """Overfitting: the held-out reward fell by at least this much..."""
+    train_rise: float = Field(default=0.02, gt=0.0)
+    """...while the training reward rose by at least this much over the same steps."""
+    entropy_floor: float = Field(default=0.01, ge=0.0)
+    """Entropy collapse: recent mean token entropy (nats) below this..."""
+    entropy_ratio: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """...or below this fraction of the entropy in the first window."""
+    length_runaway_factor: float = Field(default=3.0, gt=1.0)
+    """Length runaway: recent mean response length above this multiple of the first window's..."""
+    length_limit_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
+    """...or above this fraction of max_tokens (most completions are being truncated)."""
+    length_collapse_ratio: float = Field(default=0.25, gt=0.0, lt=1.0)
+    """Length collapse: recent mean response length below this fraction of the first window's..."""
+    length_min_tokens: float = Field(default=2.0, ge=0.0)
+    """...or below this many tokens."""
+
+
+class HealthSpec(HealthThresholds):
+    """Run-health warnings (shown on the run status and page) and the checks that stop the run."""
+
+    auto_stop: list[HealthCheck] = Field(default_factory=list)
+    """Checks that stop the run when they trigger (the learner stops at once, writes no further
+    checkpoint, and the run reports the last checkpoint from before the problem began); [] only warns."""
+
+
 class RunSpec(StrictModel):
     """A whole run: what to train, on what, with what reward and algorithm."""
 
@@ -306,6 +351,8 @@ class RunSpec(StrictModel):
     fixed dataset of (prompt, chosen, rejected) pairs, no rollout or reward service needed."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    """Run-health warning thresholds and automatic stops."""
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunSpec:

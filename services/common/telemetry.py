@@ -115,8 +115,10 @@ def span(
     parent: otel_context.Context | None = None,
     kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     attributes: Mapping[str, str | int | float | bool] | None = None,
+    links: Iterable[otel_context.Context] = (),
 ) -> Iterator[trace.Span]:
-    """Runs the block in a new current span (a child of `parent`, else of the current span).
+    """Runs the block in a new current span (a child of `parent`, else of the current span), linked to
+    the spans current in `links` (e.g. the groups one learner step consumed: a step has many causes).
 
     When tracing is off it yields `trace.INVALID_SPAN` and does nothing else. Exceptions escaping the
     block are recorded on the span and re-raised.
@@ -124,7 +126,10 @@ def span(
     if _state.tracer is None:
         yield trace.INVALID_SPAN
         return
-    with _state.tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as s:
+    span_links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in links]
+    with _state.tracer.start_as_current_span(
+        name, context=parent, kind=kind, attributes=attributes, links=span_links
+    ) as s:
         yield s
 
 

@@ -27,13 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rlfabric.common.metrics import metrics_response
 from rlfabric.common.runspec import RunSpec
 from rlfabric.coordinator.config import CoordinatorServiceConfig
-from rlfabric.coordinator.health import HealthThresholds, run_health
+from rlfabric.coordinator.health import HEALTH_ROWS, run_health
 from rlfabric.coordinator.page import render_run_page
 from rlfabric.coordinator.runs import InvalidTransition, RunExists, RunNotFound, RunRecord, RunState, RunStore
 
 RunHook = Callable[[RunRecord], Awaitable[None]]
-HEALTH_ROWS = 500
-"""Metrics rows (the most recent) the health checks look at."""
 
 _REQUESTS = Counter("rlfabric_coordinator_api_runs_total", "Run API actions", ["action"])
 
@@ -63,6 +61,9 @@ class RunStatus(RunRecord):
 
     counters: dict[str, int]
     latest_metrics: dict[str, Any] | None
+    scaling: dict[str, float] | None = None
+    """The latest autoscaling signal: replicas, busy_fraction, run_busy_fraction, in_flight_groups,
+    backlog_groups, desired_replicas, time (None before the pipeline exported one)."""
 
 
 class MetricsPage(BaseModel):
@@ -152,7 +153,7 @@ Store = Annotated[RunStore, Depends(_store)]
 
 
 def run_routes(
-    token: str | None, thresholds: HealthThresholds, on_submit: RunHook | None, on_stop: RunHook | None
+    token: str | None, on_submit: RunHook | None, on_stop: RunHook | None
 ) -> APIRouter:
     """The /v1 routes."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))], tags=["runs"])
@@ -180,7 +181,7 @@ def run_routes(
     @router.get("/runs/{run_id}", response_model=RunStatus)
     async def get_run(run_id: str, store: Store) -> RunStatus:
         """State, progress, counters, the latest metrics row and warnings of one run."""
-        return await run_status(store, run_id, thresholds)
+        return await run_status(store, run_id)
 
     @router.get("/runs/{run_id}/metrics", response_model=MetricsPage)
     async def get_metrics(
@@ -232,17 +233,18 @@ def _summary(record: RunRecord) -> RunSummary:
     )
 
 
-async def run_status(store: RunStore, run_id: str, thresholds: HealthThresholds) -> RunStatus:
-    """The body of `GET /v1/runs/{id}`."""
+async def run_status(store: RunStore, run_id: str) -> RunStatus:
+    """The body of `GET /v1/runs/{id}` (health warnings by the run's own `health` thresholds)."""
     record = await store.get(run_id)
     rows = await store.recent_metrics(run_id, HEALTH_ROWS)
-    health = run_health(rows, thresholds, max_tokens=record.spec.rollout.sampling.max_tokens)
+    health = run_health(rows, record.spec.health, max_tokens=record.spec.rollout.sampling.max_tokens)
     warnings = record.warnings + [w for w in health if w not in record.warnings]
     return RunStatus(
         **record.model_dump(exclude={"warnings"}),
         warnings=warnings,
         counters=await store.counters(run_id),
         latest_metrics=rows[-1] if rows else None,
+        scaling=await store.scaling(run_id),
     )
 
 
@@ -296,7 +298,6 @@ def create_app(
     *,
     on_submit: RunHook | None = None,
     on_stop: RunHook | None = None,
-    health: HealthThresholds | None = None,
 ) -> FastAPI:
     """The coordinator's FastAPI app over `redis` (or a client for `config.redis.url`, owned and closed
     by the app's lifespan)."""
@@ -311,7 +312,7 @@ def create_app(
 
     app = FastAPI(title="rlfabric coordinator", version="1", lifespan=lifespan)
     app.state.store = RunStore(client)
-    app.include_router(run_routes(config.api.token, health or HealthThresholds(), on_submit, on_stop))
+    app.include_router(run_routes(config.api.token, on_submit, on_stop))
     app.include_router(public_routes())
     _error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)

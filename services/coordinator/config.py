@@ -21,6 +21,19 @@ class ApiConfig(StrictModel):
     """Request bodies larger than this get 413."""
 
 
+class ScalingConfig(StrictModel):
+    """The coordinator's autoscaling rule (the bounds belong to whoever scales)."""
+
+    target_busy_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    """Busy fraction per replica the rule aims for: desired = ceil(replicas * busy / target)."""
+    tolerance: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """No change while busy / target is within 1 +- tolerance (as the HPA does), so noise never flaps."""
+    window_s: float = Field(default=30.0, gt=0.0)
+    """Seconds of history the busy fraction averages."""
+    interval_s: float = Field(default=2.0, gt=0.0)
+    """How often the signal is recomputed and exported."""
+
+
 class CoordinatorServiceConfig(StrictModel):
     """The coordinator: REST API, prompt source and the generate -> score -> enqueue pipeline."""
 
@@ -36,3 +49,5 @@ class CoordinatorServiceConfig(StrictModel):
     """host:port of the learner's status API; None when the learner reports through Redis only."""
     max_stream_length: int = Field(default=1024, ge=1)
     """Backpressure: stop enqueueing while the run's stream holds this many unconsumed groups."""
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""

@@ -15,43 +15,25 @@ Recent values are means over the last `window` rows, so that one noisy step does
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
-from pydantic import BaseModel, Field
+from rlfabric.common.runspec import HealthCheck, HealthSpec
+from rlfabric.common.runspec import HealthThresholds as HealthThresholds
 
 Row = dict[str, Any]
+HEALTH_ROWS = 500
+"""Metrics rows (the most recent) the health checks look at."""
 
 
-class HealthThresholds(BaseModel):
-    """Thresholds of the run-health checks; every default lives here."""
+@dataclass(frozen=True)
+class HealthWarning:
+    """One triggered check: which, what it saw, and the first step of the window that shows it."""
 
-    window: int = Field(default=5, ge=1)
-    """Rows averaged for "recent" and "before" values."""
-    kl_jump_factor: float = Field(default=2.0, gt=1.0)
-    """Reward hacking: recent KL is at least this multiple of the window before..."""
-    kl_floor: float = Field(default=1e-3, ge=0.0)
-    """...with the earlier KL taken as at least this (so KL rising from ~0 must reach a real size)..."""
-    reward_jump: float = Field(default=0.1, gt=0.0)
-    """...while the mean reward rose by at least this much between the two windows."""
-    eval_points: int = Field(default=3, ge=2)
-    """Overfitting: held-out evaluations compared (the first and the last of the most recent ones)."""
-    eval_drop: float = Field(default=0.02, gt=0.0)
-    """Overfitting: the held-out reward fell by at least this much..."""
-    train_rise: float = Field(default=0.02, gt=0.0)
-    """...while the training reward rose by at least this much over the same steps."""
-    entropy_floor: float = Field(default=0.01, ge=0.0)
-    """Entropy collapse: recent mean token entropy (nats) below this..."""
-    entropy_ratio: float = Field(default=0.1, gt=0.0, lt=1.0)
-    """...or below this fraction of the entropy in the first window."""
-    length_runaway_factor: float = Field(default=3.0, gt=1.0)
-    """Length runaway: recent mean response length above this multiple of the first window's..."""
-    length_limit_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
-    """...or above this fraction of max_tokens (most completions are being truncated)."""
-    length_collapse_ratio: float = Field(default=0.25, gt=0.0, lt=1.0)
-    """Length collapse: recent mean response length below this fraction of the first window's..."""
-    length_min_tokens: float = Field(default=2.0, ge=0.0)
-    """...or below this many tokens."""
+    check: HealthCheck
+    message: str
+    since_step: int
 
 
 def series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
@@ -69,7 +51,7 @@ def _mean(points: Sequence[tuple[int, float]]) -> float:
     return fmean(value for _, value in points)
 
 
-def check_reward_hacking(rows: Sequence[Row], t: HealthThresholds) -> str | None:
+def check_reward_hacking(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
     """KL and reward jumping together between the last two windows."""
     kl, reward = series(rows, "kl"), series(rows, "reward_mean")
     w = t.window
@@ -79,14 +61,15 @@ def check_reward_hacking(rows: Sequence[Row], t: HealthThresholds) -> str | None
     reward_before, reward_now = _mean(reward[-2 * w : -w]), _mean(reward[-w:])
     kl_jumped = kl_now >= t.kl_jump_factor * max(kl_before, t.kl_floor)
     if kl_jumped and reward_now - reward_before >= t.reward_jump:
-        return (
+        message = (
             f"possible reward hacking: KL rose {kl_before:.4g} -> {kl_now:.4g} while the training reward "
             f"jumped {reward_before:.3g} -> {reward_now:.3g} (last {w} steps vs the {w} before)"
         )
+        return HealthWarning("reward_hacking", message, kl[-w][0])
     return None
 
 
-def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> str | None:
+def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
     """Training reward rising while the held-out reward falls over the last `eval_points` evaluations."""
     evals, reward = series(rows, "eval_reward_mean"), series(rows, "reward_mean")
     if len(evals) < t.eval_points or not reward:
@@ -97,11 +80,12 @@ def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> str | None:
     if train_then is None or train_now is None:
         return None
     if first_eval - last_eval >= t.eval_drop and train_now - train_then >= t.train_rise:
-        return (
+        message = (
             f"held-out reward fell {first_eval:.3g} -> {last_eval:.3g} while the training reward rose "
             f"{train_then:.3g} -> {train_now:.3g} (steps {first_step}-{last_step}): overfitting or reward "
             "hacking"
         )
+        return HealthWarning("overfitting", message, first_step)
     return None
 
 
@@ -111,26 +95,36 @@ def _train_reward_at(reward: Sequence[tuple[int, float]], step: int, window: int
     return _mean(upto) if upto else None
 
 
-def check_entropy_collapse(rows: Sequence[Row], t: HealthThresholds) -> str | None:
+def check_entropy_collapse(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
     """Recent entropy under the absolute floor or a small fraction of its initial value."""
     entropy = series(rows, "entropy")
     if len(entropy) < t.window:
         return None
     start, now = _mean(entropy[: t.window]), _mean(entropy[-t.window :])
+    since = entropy[-t.window][0]
     if now < t.entropy_floor:
-        return f"entropy collapse: mean token entropy {now:.3g} nats is below {t.entropy_floor:g}"
+        message = f"entropy collapse: mean token entropy {now:.3g} nats is below {t.entropy_floor:g}"
+        return HealthWarning("entropy_collapse", message, since)
     if len(entropy) >= 2 * t.window and now < t.entropy_ratio * start:
-        return f"entropy collapse: mean token entropy fell {start:.3g} -> {now:.3g} nats"
+        message = f"entropy collapse: mean token entropy fell {start:.3g} -> {now:.3g} nats"
+        return HealthWarning("entropy_collapse", message, since)
     return None
 
 
 def check_response_length(
     rows: Sequence[Row], t: HealthThresholds, max_tokens: int | None = None
-) -> str | None:
+) -> HealthWarning | None:
     """Response length running away (towards max_tokens, or far above its start) or collapsing."""
     length = series(rows, "response_length_mean")
     if len(length) < t.window:
         return None
+    message = _length_problem(length, t, max_tokens)
+    return HealthWarning("response_length", message, length[-t.window][0]) if message else None
+
+
+def _length_problem(
+    length: Sequence[tuple[int, float]], t: HealthThresholds, max_tokens: int | None
+) -> str | None:
     start, now = _mean(length[: t.window]), _mean(length[-t.window :])
     if max_tokens and now >= t.length_limit_fraction * max_tokens:
         return f"response length runaway: mean {now:.1f} tokens is near max_tokens={max_tokens}"
@@ -145,10 +139,10 @@ def check_response_length(
     return None
 
 
-def run_health(
+def health_warnings(
     rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
-) -> list[str]:
-    """Every warning the series triggers, in a fixed order (empty for a healthy or too short series)."""
+) -> list[HealthWarning]:
+    """Every check the series triggers, in a fixed order (empty for a healthy or too short series)."""
     t = thresholds or HealthThresholds()
     found = [
         check_reward_hacking(rows, t),
@@ -157,3 +151,26 @@ def run_health(
         check_response_length(rows, t, max_tokens),
     ]
     return [warning for warning in found if warning]
+
+
+def run_health(
+    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
+) -> list[str]:
+    """The messages of `health_warnings`."""
+    return [w.message for w in health_warnings(rows, thresholds, max_tokens=max_tokens)]
+
+
+def stopping_warning(
+    rows: Sequence[Row], spec: HealthSpec, *, max_tokens: int | None = None
+) -> HealthWarning | None:
+    """The first triggered check the spec stops the run for, if any."""
+    stops = set(spec.auto_stop)
+    return next((w for w in health_warnings(rows, spec, max_tokens=max_tokens) if w.check in stops), None)
+
+
+def last_good_checkpoint(rows: Sequence[Row], since_step: int, keep: int) -> int | None:
+    """The newest checkpoint step before `since_step` among the `keep` newest the learner still holds
+    (rows carry `checkpoint_step` on the steps that wrote one); None when none qualifies."""
+    steps = sorted({int(p[1]) for p in series(rows, "checkpoint_step")})[-keep:]
+    good = [step for step in steps if step < since_step]
+    return good[-1] if good else None

@@ -36,6 +36,15 @@ from rlfabric.common.streams import (
     undelivered,
 )
 from rlfabric.coordinator.dataset import Draw, PromptCursor, PromptRow, load_rows, split
+from rlfabric.coordinator.runs import scaling_key
+from rlfabric.coordinator.scaling import (
+    BusyMeter,
+    ScalingConfig,
+    ScalingSignal,
+    clear_scaling_gauges,
+    export_scaling_gauges,
+    scaling_signal,
+)
 from rlfabric.reward.client import AsyncRewardClient, ItemResult
 from rlfabric.reward.service import spec_from_reward_spec
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2, rollout_pb2_grpc
@@ -80,27 +89,33 @@ class Keys:
         self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
         self.counters, self.step = f"{base}:counters", f"{base}:step"
         self.eval, self.groups = f"{base}:eval", groups_key(run_id)
+        self.scaling = scaling_key(run_id)
 
 
 class ReplicaPool:
-    """Serving replicas of the run, refreshed from the registry; client-side least-loaded balancing."""
+    """Serving replicas of the run, refreshed from the registry; client-side least-loaded balancing.
+    Every change of a replica's load goes to the busy meter; `waiting` counts groups that wait for a slot."""
 
-    def __init__(self, redis: Any, run_id: str, per_replica: int) -> None:
-        self.redis, self.run_id, self.per_replica = redis, run_id, per_replica
+    def __init__(self, redis: Any, run_id: str, per_replica: int, meter: BusyMeter) -> None:
+        self.redis, self.run_id, self.per_replica, self.meter = redis, run_id, per_replica, meter
         self.load: dict[str, int] = {}
         self.excluded: dict[str, float] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.changed = asyncio.Condition()
+        self.waiting = 0
 
     async def refresh(self) -> None:
         entries = await registry.discover(self.redis, self.run_id)
         live = {e.address for e in entries if e.serving}
         async with self.changed:
+            now = time.monotonic()
             for address in live - self.load.keys():
                 self.load[address] = 0
+                self.meter.seen(address, now)
             for address in self.load.keys() - live:
                 if self.load[address] == 0:
                     del self.load[address]
+                    self.meter.gone(address, now)
             self.changed.notify_all()
 
     async def watch(self, interval_s: float = 1.0) -> None:
@@ -118,9 +133,14 @@ class ReplicaPool:
 
     async def acquire(self) -> str:
         async with self.changed:
-            while (address := self._best()) is None:
-                await self._wait()
+            self.waiting += 1
+            try:
+                while (address := self._best()) is None:
+                    await self._wait()
+            finally:
+                self.waiting -= 1
             self.load[address] += 1
+            self.meter.update(address, self.load[address], time.monotonic())
             return address
 
     async def _wait(self) -> None:
@@ -131,6 +151,7 @@ class ReplicaPool:
         async with self.changed:
             if address in self.load:
                 self.load[address] -= 1
+                self.meter.update(address, self.load[address], time.monotonic())
             if failed:
                 self.excluded[address] = time.monotonic() + REPLICA_BACKOFF_S
             self.changed.notify_all()
@@ -175,13 +196,21 @@ class RunPipeline:
     """Everything one run's pipeline needs; `run()` returns the run's final state."""
 
     def __init__(
-        self, run_id: str, spec: RunSpec, redis: Any, reward_address: str, max_stream_length: int
+        self,
+        run_id: str,
+        spec: RunSpec,
+        redis: Any,
+        reward_address: str,
+        max_stream_length: int,
+        scaling: ScalingConfig | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
         self.keys = Keys(run_id)
         self.reward = AsyncRewardClient(reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30)
         self.reward_spec = spec_from_reward_spec(spec.reward)
-        self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica)
+        self.scaling = scaling or ScalingConfig()
+        self.meter = BusyMeter(self.scaling.window_s)
+        self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter)
         self.max_stream_length = max_stream_length
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
@@ -211,13 +240,18 @@ class RunPipeline:
         self.rows = {r.prompt_id: r for r in rows}
         cursor = PromptCursor(self.redis, self.run_id, train, self.spec.dataset)
         await ensure_consumer_group(self.redis, self.run_id)
-        watcher = asyncio.get_running_loop().create_task(self.replicas.watch())
-        evaluator = asyncio.get_running_loop().create_task(self.evaluate_periodically(held_out))
+        loop = asyncio.get_running_loop()
+        helpers = [
+            loop.create_task(self.replicas.watch()),
+            loop.create_task(self.evaluate_periodically(held_out)),
+            loop.create_task(self.export_scaling_periodically()),
+        ]
         try:
             return await self.dispatch_loop(cursor, stop)
         finally:
-            watcher.cancel()
-            evaluator.cancel()
+            for helper in helpers:
+                helper.cancel()
+            clear_scaling_gauges(self.run_id)
             for task in self.in_flight.values():
                 task.cancel()
             await self.replicas.close()
@@ -243,11 +277,16 @@ class RunPipeline:
                 continue
             self.in_flight[item.group_id] = asyncio.get_running_loop().create_task(self.process(item))
 
+    @property
+    def admit_bound(self) -> int:
+        """Groups the policy-lag bound lets be in flight or queued unread: (max_staleness + 1) steps."""
+        return (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
+
     async def admits(self, step: int) -> bool:
         """Policy-lag bound: groups in flight plus groups queued but not yet read by the learner stay
         within (max_staleness + 1) steps' worth. Counting what the learner has not read (instead of
         everything ever queued) keeps the bound live when the learner drops stale groups."""
-        bound = (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
+        bound = self.admit_bound
         backlog = await undelivered(self.redis, self.run_id, cap=bound)
         return backlog + len(self.in_flight) < bound
 
@@ -396,6 +435,32 @@ class RunPipeline:
             await undelivered(self.redis, self.run_id, cap=self.max_stream_length) >= self.max_stream_length
         ):
             await asyncio.sleep(0.1)
+
+    # --- the autoscaling signal -------------------------------------------------------------------
+
+    def scaling_signal(self) -> ScalingSignal:
+        return scaling_signal(
+            self.meter,
+            time.monotonic(),
+            in_flight=sum(self.replicas.load.values()),
+            backlog=self.replicas.waiting,
+            per_replica=self.spec.rollout.max_in_flight_per_replica,
+            admit_bound=self.admit_bound,
+            config=self.scaling,
+        )
+
+    async def export_scaling_periodically(self) -> None:
+        """Prometheus gauges and `rlfabric:{run}:scaling` (read by the API, `rlfabric up` and the
+        learner, which copies the busy fraction into its metrics rows)."""
+        while True:
+            await asyncio.sleep(self.scaling.interval_s)
+            signal = self.scaling_signal()
+            export_scaling_gauges(self.run_id, signal)
+            try:
+                fields = {k: str(v) for k, v in signal.as_dict().items()}
+                await self.redis.hset(self.keys.scaling, mapping={**fields, "time": str(time.time())})
+            except Exception:  # tolerated: Redis restarting; the next interval writes again
+                log.warning("could not store the scaling signal", exc_info=True)
 
     # --- held-out evaluation ----------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Every piece of state lives in Redis, so a restarted coordinator finds its runs w
     rlfabric:{run}:run            hash: the record (spec as JSON, state, step, policy version, ...)
     rlfabric:{run}:counters       hash: pipeline counters (see `COUNTERS`), incremented with HINCRBY
     rlfabric:{run}:metrics        stream: one entry per learner step (and eval rows), field `row` = JSON
+    rlfabric:{run}:scaling        hash: the pipeline's latest autoscaling signal (see `scaling.py`)
 
 State changes are check-and-set transactions (WATCH/MULTI), so two writers never move a run along an
 illegal transition. A finished run (completed, failed, stopped) never changes state again.
@@ -101,6 +102,10 @@ class RunRecord(BaseModel):
     """Warnings recorded by the services (health warnings from the metrics are computed on read)."""
     stop_requested: bool = False
     """A stop was requested; the pipeline winds the run down and marks it stopped."""
+    stop_reason: str | None = None
+    """Why the run was stopped: "api" (a user asked) or "health: <warning>" (an automatic stop)."""
+    last_good_checkpoint: int | None = None
+    """After a health stop: the step of the newest kept checkpoint from before the problem began."""
 
     @property
     def finished(self) -> bool:
@@ -121,6 +126,11 @@ def counters_key(run_id: str) -> str:
 def metrics_key(run_id: str) -> str:
     """The stream of a run's metrics rows."""
     return f"rlfabric:{run_id}:metrics"
+
+
+def scaling_key(run_id: str) -> str:
+    """The hash of a run's latest autoscaling signal (`ScalingSignal` fields and `time`)."""
+    return f"rlfabric:{run_id}:scaling"
 
 
 def _now() -> datetime:
@@ -145,7 +155,17 @@ def _encode(record: RunRecord) -> dict[str, str]:
         "policy_version": str(record.policy_version),
         "warnings": json.dumps(record.warnings),
         "stop_requested": "1" if record.stop_requested else "0",
+        "stop_reason": record.stop_reason or "",
+        "last_good_checkpoint": _optional_int(record.last_good_checkpoint),
     }
+
+
+def _optional_int(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text else None
 
 
 def _decode(raw: Mapping[Any, Any]) -> RunRecord:
@@ -163,6 +183,8 @@ def _decode(raw: Mapping[Any, Any]) -> RunRecord:
         policy_version=int(fields["policy_version"]),
         warnings=json.loads(fields["warnings"]),
         stop_requested=fields["stop_requested"] == "1",
+        stop_reason=fields.get("stop_reason") or None,
+        last_good_checkpoint=_int_or_none(fields.get("last_good_checkpoint")),
     )
 
 
@@ -287,13 +309,18 @@ class RunStore:
 
         return await self._update(run_id, change)
 
-    async def request_stop(self, run_id: str) -> RunRecord:
-        """Flags the run to stop; a pending run becomes stopped at once. InvalidTransition if finished."""
+    async def request_stop(
+        self, run_id: str, reason: str = "api", last_good_checkpoint: int | None = None
+    ) -> RunRecord:
+        """Flags the run to stop, saying why; a pending run becomes stopped at once. InvalidTransition if
+        finished."""
 
         def change(record: RunRecord) -> dict[str, str]:
             if record.finished:
                 raise InvalidTransition(f"run {run_id!r} has already finished ({record.state})")
-            fields = {"stop_requested": "1"}
+            fields = {"stop_requested": "1", "stop_reason": reason}
+            if last_good_checkpoint is not None:
+                fields["last_good_checkpoint"] = str(last_good_checkpoint)
             if record.state == "pending":
                 fields["state"] = "stopped"
             return fields
@@ -319,6 +346,11 @@ class RunStore:
         values = {name: 0 for name in COUNTERS}
         values.update({_text(k): int(v) for k, v in raw.items()})
         return values
+
+    async def scaling(self, run_id: str) -> dict[str, float] | None:
+        """The run's latest autoscaling signal, None before its pipeline exported one."""
+        raw = await self.redis.hgetall(scaling_key(run_id))  # type: ignore[misc]
+        return {_text(k): float(v) for k, v in raw.items()} or None
 
     # --- metrics ---------------------------------------------------------------------------------------
 

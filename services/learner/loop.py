@@ -88,6 +88,18 @@ def share_payloads(payloads: list[bytes] | None, world: World) -> list[bytes] | 
     return [data[offsets[i] : offsets[i + 1]] for i in range(int(count))]
 
 
+def broadcast_flag(flag: bool, world: World) -> bool:
+    """Rank 0's `flag` on every rank (collective)."""
+    if world.size == 1:
+        return flag
+    import torch.distributed as dist
+
+    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
 @dataclass
 class RunPaths:
     """Where a run's learner writes: checkpoints, published weights, metrics."""

@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Any
 
-from rlfabric.common import failpoints
+from rlfabric.common import failpoints, telemetry
 from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
 from rlfabric.common.metrics import start_metrics_server
@@ -29,6 +29,7 @@ from rlfabric.learner.loop import (
     RunPaths,
     StepExport,
     StepSource,
+    broadcast_flag,
     checkpoint,
     restore,
     share_payloads,
@@ -62,6 +63,7 @@ class Learner:
         self.paths = RunPaths.of(config)
         self.status = Status(config.run_id, world.size)
         self.stopping = False
+        self.health_stop = False
         self.pending: list[str] = []  # entry ids trained but not yet covered by a checkpoint
         self.ledger = AppliedLedger()
         self.applied_log: list[list[Any]] = []  # [step, group_id] in the order applied, in this lineage
@@ -122,7 +124,7 @@ class Learner:
         """Rank 0: the step's deliveries ([] if none arrived in time; None to stop)."""
         if not self.world.is_main:
             return []
-        if self.stopping:
+        if self.stopping or await self.stopped_by_health():
             return None
         self.set_state(learner_pb2.LEARNER_STATE_WAITING)
         deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
@@ -132,13 +134,34 @@ class Learner:
             return None  # the run was stopped (or its prompts ran out) and nothing is left to train
         return deliveries
 
+    async def stopped_by_health(self) -> bool:
+        """The coordinator stopped the run on a health check: stop before another step (and, in
+        `finish`, write no checkpoint of the suspect policy, so the good ones stay)."""
+        reason = await self.redis.get(f"rlfabric:{self.config.run_id}:stop_requested")
+        self.health_stop = reason in (b"health", "health")
+        return self.health_stop
+
     def encode(self, deliveries: list[Delivery] | None) -> list[bytes] | None:
         if deliveries is None:
             return None
         return [d.group.SerializeToString() for d in deliveries if d.group is not None]
 
     async def step(self, deliveries: list[Delivery] | None, payloads: list[bytes]) -> None:
-        groups = [to_group_samples(queue_pb2.ScoredGroup.FromString(p)) for p in payloads]
+        messages = [queue_pb2.ScoredGroup.FromString(p) for p in payloads]
+        traced = [(c, m) for m in messages if (c := telemetry.from_trace_context(m.trace)) is not None]
+        attributes: dict[str, str | int] = {
+            "run_id": self.config.run_id,
+            "step": self.trainer.step + 1,
+            "groups": len(messages),
+        }
+        with telemetry.span("learner.step", attributes=attributes, links=[c for c, _ in traced]):
+            await self.train_publish_report(deliveries, [to_group_samples(m) for m in messages])
+        for parent, message in traced:  # each group's own trace ends with the step that consumed it
+            span_attributes: dict[str, str | int] = {"step": self.trainer.step, "group_id": message.group_id}
+            with telemetry.span("learner.trained", parent=parent, attributes=span_attributes):
+                pass
+
+    async def train_publish_report(self, deliveries: list[Delivery] | None, groups: list[Any]) -> None:
         self.set_state(learner_pb2.LEARNER_STATE_TRAINING)
         start = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
@@ -162,12 +185,13 @@ class Learner:
         if not due:
             return
         start = time.perf_counter()
-        await asyncio.to_thread(checkpoint, self.trainer, self.paths, self.ledger, self.applied_log)
+        await asyncio.to_thread(self.checkpoint)
         if self.world.is_main and self.pending:
             failpoints.hit("learner.before_ack")
             await self.source.consumer.ack(self.pending)
             self.pending = []
         metrics["checkpoint_seconds"] = time.perf_counter() - start
+        metrics["checkpoint_step"] = self.trainer.step
         self.status.message.checkpoint_step = self.trainer.step
 
     async def publish(self, metrics: dict[str, float]) -> None:
@@ -185,6 +209,7 @@ class Learner:
         counters.trained += groups
         row = self.build_row(metrics, counters)
         row.update(await self.take_eval_results())
+        row.update(await self.rollout_utilisation())
         write_metrics(self.paths.metrics, row)
         self.export.write(row)
         await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
@@ -212,6 +237,11 @@ class Learner:
         latest = json.loads(raw[-1])
         return {"eval_reward_mean": latest["reward_mean"], "eval_policy_version": latest["policy_version"]}
 
+    async def rollout_utilisation(self) -> dict[str, float]:
+        """The coordinator's latest busy fraction of the run's replicas (its autoscaling signal)."""
+        raw = await self.redis.hget(f"rlfabric:{self.config.run_id}:scaling", "busy_fraction")  # type: ignore[misc]
+        return {"rollout_busy_fraction": float(raw)} if raw is not None else {}
+
     def update_status(self, metrics: dict[str, float], counters: Any) -> None:
         queue = self.source.consumer.counters
         msg = self.status.message
@@ -225,9 +255,17 @@ class Learner:
     def set_state(self, state: int) -> None:
         self.status.message.state = state  # type: ignore[assignment]
 
+    def checkpoint(self) -> None:
+        """Collective: a checkpoint with the ledger, keeping `train.keep_checkpoints` complete ones."""
+        keep = self.spec.train.keep_checkpoints
+        checkpoint(self.trainer, self.paths, self.ledger, self.applied_log, keep=keep)
+
     async def finish(self) -> None:
-        if self.trainer.step > 0 and self.status.message.checkpoint_step != self.trainer.step:
-            await asyncio.to_thread(checkpoint, self.trainer, self.paths, self.ledger, self.applied_log)
+        self.health_stop = broadcast_flag(self.health_stop, self.world)  # rank 0 alone read it
+        if self.health_stop:
+            log.warning("stopped by a health check at step %d: no final checkpoint", self.trainer.step)
+        elif self.trainer.step > 0 and self.status.message.checkpoint_step != self.trainer.step:
+            await asyncio.to_thread(self.checkpoint)
             if self.world.is_main and self.pending:
                 await self.source.consumer.ack(self.pending)
         self.set_state(learner_pb2.LEARNER_STATE_DONE)

@@ -11,6 +11,7 @@ import pytest
 from rlfabric.common.runspec import RunSpec
 from rlfabric.coordinator.health import (
     HealthThresholds,
+    HealthWarning,
     check_entropy_collapse,
     check_overfitting,
     check_response_length,
@@ -130,6 +131,10 @@ async def test_metrics_stream_round_trip(store: RunStore) -> None:
 T = HealthThresholds(window=5)
 
 
+def said(warning: HealthWarning | None) -> str:
+    return warning.message if warning else ""
+
+
 def rows_of(**columns: list[float]) -> list[dict[str, Any]]:
     n = max(len(v) for v in columns.values())
     return [{"step": i + 1, **{k: v[i] for k, v in columns.items() if i < len(v)}} for i in range(n)]
@@ -150,7 +155,7 @@ def test_reward_hacking_needs_kl_and_reward_to_jump_together() -> None:
     both = rows_of(kl=[0.01] * 5 + [0.05] * 5, reward_mean=[0.3] * 5 + [0.8] * 5)
     only_kl = rows_of(kl=[0.01] * 5 + [0.05] * 5, reward_mean=[0.3] * 10)
     only_reward = rows_of(kl=[0.01] * 10, reward_mean=[0.3] * 5 + [0.8] * 5)
-    assert "reward hacking" in (check_reward_hacking(both, T) or "")
+    assert "reward hacking" in said(check_reward_hacking(both, T))
     assert check_reward_hacking(only_kl, T) is None
     assert check_reward_hacking(only_reward, T) is None
     assert check_reward_hacking(both[:9], T) is None  # too short
@@ -160,15 +165,15 @@ def test_overfitting_train_up_eval_down() -> None:
     rows = rows_of(reward_mean=[0.2 + 0.05 * i for i in range(12)])
     for step, value in ((4, 0.5), (8, 0.45), (12, 0.4)):
         rows[step - 1]["eval_reward_mean"] = value
-    assert "held-out reward fell" in (check_overfitting(rows, T) or "")
+    assert "held-out reward fell" in said(check_overfitting(rows, T))
     for step, value in ((4, 0.4), (8, 0.45), (12, 0.5)):
         rows[step - 1]["eval_reward_mean"] = value
     assert check_overfitting(rows, T) is None
 
 
 def test_entropy_collapse() -> None:
-    assert "entropy collapse" in (check_entropy_collapse(rows_of(entropy=[1.0] * 5 + [0.05] * 5), T) or "")
-    assert "below" in (check_entropy_collapse(rows_of(entropy=[0.001] * 5), T) or "")
+    assert "entropy collapse" in said(check_entropy_collapse(rows_of(entropy=[1.0] * 5 + [0.05] * 5), T))
+    assert "below" in said(check_entropy_collapse(rows_of(entropy=[0.001] * 5), T))
     assert check_entropy_collapse(rows_of(entropy=[1.0] * 5 + [0.6] * 5), T) is None
 
 
@@ -176,9 +181,9 @@ def test_response_length_runaway_and_collapse() -> None:
     grow = rows_of(response_length_mean=[50.0] * 5 + [200.0] * 5)
     shrink = rows_of(response_length_mean=[100.0] * 5 + [10.0] * 5)
     near_limit = rows_of(response_length_mean=[250.0] * 5)
-    assert "runaway" in (check_response_length(grow, T) or "")
-    assert "collapse" in (check_response_length(shrink, T) or "")
-    assert "max_tokens" in (check_response_length(near_limit, T, max_tokens=256) or "")
+    assert "runaway" in said(check_response_length(grow, T))
+    assert "collapse" in said(check_response_length(shrink, T))
+    assert "max_tokens" in said(check_response_length(near_limit, T, max_tokens=256))
     assert check_response_length(near_limit, T) is None
 
 

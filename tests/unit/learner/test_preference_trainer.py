@@ -91,9 +91,13 @@ def test_ipo_starts_at_its_margin_and_learns(tiny_model_dir: Path, world: World)
 
 
 def test_accumulation_is_exact(tiny_model_dir: Path, world: World) -> None:
-    """One pair per forward pass trains like all pairs in one, including a label-smoothed loss."""
+    """One pair per forward pass trains like all pairs in one, including a label-smoothed loss: the
+    metrics of the second step agree to 1e-4, and the weights after it differ by under 1% (in norm) of
+    how far the two steps moved them. Element-wise equality is not the right test: Adam divides by each
+    gradient's own size, so an element whose gradient is rounding noise takes a full-size step in a random direction."""
     pairs = consistent_pairs(n=3, seed=1)
     results = []
+    initial: dict[str, torch.Tensor] = {}
     for micro_batch_size in (2, 8):
         spec = make_spec(
             tiny_model_dir,
@@ -101,6 +105,7 @@ def test_accumulation_is_exact(tiny_model_dir: Path, world: World) -> None:
             preference={"label_smoothing": 0.1, "beta": 0.5},
         )
         trainer = PreferenceTrainer(spec, tiny_model_dir, device=CPU, world=world)
+        initial = initial or {k: v.clone() for k, v in trainer.full_state_dict().items()}
         trainer.train_step(pairs)
         second = trainer.train_step(pairs)  # after one update: policy != reference
         results.append((second, {k: v.clone() for k, v in trainer.full_state_dict().items()}))
@@ -108,4 +113,8 @@ def test_accumulation_is_exact(tiny_model_dir: Path, world: World) -> None:
     for name in ("loss", "reward_margin", "logps_chosen", "grad_norm"):
         assert m1[name] == pytest.approx(m2[name], rel=1e-4, abs=1e-6), name
     for name, tensor in w1.items():
-        torch.testing.assert_close(w2[name], tensor, atol=1e-5, rtol=0, msg=name)
+        if name.endswith("k_proj.bias"):
+            continue  # softmax ignores a shift shared by every key: this gradient is 0 up to rounding
+        moved = (tensor - initial[name]).norm().item()
+        assert moved > 0, name
+        assert (w2[name] - tensor).norm().item() <= 0.01 * moved, name
