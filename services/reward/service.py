@@ -13,7 +13,7 @@ import time
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -139,7 +139,7 @@ class RewardEngine:
         elif self.runs_inline(spec):
             results = await arun_scorer(scorer, items, timeout_s, item_timeout_s=per_item)
         else:
-            payload = [asdict(item) for item in items]
+            payload = [item_to_json(item) for item in items]
             results = await self.pool.score(
                 {"name": spec.name, "params": spec.params},
                 payload,
@@ -149,6 +149,17 @@ class RewardEngine:
         latency = time.perf_counter() - start
         record(spec.name, results, latency)
         return ScoredBatch(results, spec.name, scorer_version(spec), latency)
+
+
+def item_to_json(item: ScoreInput) -> dict[str, Any]:
+    """An item as the worker protocol's JSON object (no deep copy: it is encoded right away)."""
+    return {
+        "id": item.id,
+        "prompt": item.prompt,
+        "completion": item.completion,
+        "reference": item.reference,
+        "metadata": item.metadata,
+    }
 
 
 def record(scorer: str, results: Sequence[ScoreResult], seconds: float) -> None:

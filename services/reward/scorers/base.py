@@ -97,7 +97,10 @@ class Scorer:
     Subclasses set `name` (the registry key), `version` (bump when scores change for the same input),
     `description` (one line) and `Params`, and implement `score_batch` or `_score_one`.
     `per_item` tells `run_scorer` it may score items one by one on worker threads (so a slow item times
-    out alone); batched scorers leave it False and get the whole batch in one call.
+    out alone); batched scorers leave it False and get the whole batch in one call. `item_threads` caps
+    how many of those threads run at once: a scorer whose items wait (on a subprocess, a socket) gains
+    from several, a CPU-bound pure-Python one sets 1, since the GIL runs one thread at a time anyway and
+    more only add switching (a replacement thread still takes over from an item that overran).
     """
 
     name: ClassVar[str]
@@ -105,6 +108,7 @@ class Scorer:
     description: ClassVar[str] = ""
     Params: ClassVar[type[ScorerParams]] = ScorerParams
     per_item: ClassVar[bool] = False
+    item_threads: ClassVar[int] = 8
 
     def __init__(self, params: ScorerParams) -> None:
         self.params = params

@@ -37,6 +37,13 @@ class ExactMatch(Scorer):
     Params = ExactMatchParams
     params: ExactMatchParams
 
+    def __init__(self, params: ExactMatchParams) -> None:
+        super().__init__(params)
+        # The only three outcomes, built once (results are immutable; this scorer runs µs per item).
+        self._match = ScoreResult.ok(params.reward_match, {"extracted": 1.0})
+        self._mismatch = ScoreResult.ok(params.reward_mismatch, {"extracted": 1.0})
+        self._not_extracted = ScoreResult.ok(params.reward_mismatch, {"extracted": 0.0})
+
     def _score_one(self, item: ScoreInput) -> ScoreResult:
         p = self.params
         reference = self._extract(item.reference) if p.extract_reference else item.reference
@@ -44,9 +51,9 @@ class ExactMatch(Scorer):
             raise ItemError(f"reference has no answer to extract with extract={p.extract!r}")
         answer = self._extract(item.completion)
         if answer is None:
-            return ScoreResult.ok(p.reward_mismatch, {"extracted": 0.0})
+            return self._not_extracted
         matched = self._normalize(answer) == self._normalize(reference)
-        return ScoreResult.ok(p.reward_match if matched else p.reward_mismatch, {"extracted": 1.0})
+        return self._match if matched else self._mismatch
 
     def _extract(self, text: str) -> str | None:
         mode = self.params.extract

@@ -46,6 +46,7 @@ class MathVerify(Scorer):
     Params = MathVerifyParams
     params: MathVerifyParams
     per_item = True
+    item_threads = 1  # pure-Python SymPy work: concurrent threads would only contend for the GIL
 
     def __init__(self, params: MathVerifyParams) -> None:
         super().__init__(params)

@@ -8,7 +8,8 @@ Time limits are enforced here and not with signals, because the service scores o
 `signal.alarm` only works on the main thread. Python threads cannot be killed, so a scorer stuck past its
 deadline is abandoned on a daemon thread: its result, if it ever comes, is dropped. Scorers whose items
 can hang (`per_item = True`: math verification, code execution) are scored item by item on up to
-`max_workers` threads, so one slow item times out alone and a replacement thread carries on with the rest.
+`max_workers` threads (and at most the scorer's `item_threads`), so one slow item times out alone and a
+replacement thread carries on with the rest.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def run_scorer(
     if not items:
         return []
     if scorer.per_item:
-        return _PerItemRun(scorer, items, item_timeout_s).run(timeout_s, max_workers)
+        threads = min(max_workers, scorer.item_threads)
+        return _PerItemRun(scorer, items, item_timeout_s).run(timeout_s, threads)
     return _run_whole_batch(scorer, items, timeout_s)
 
 
