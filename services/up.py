@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from rlfabric.common.procs import ServiceProcess
+from rlfabric.scaler import LocalScaler, ScalePolicy
 
 FINAL_STATES = ("completed", "failed", "stopped")
 
@@ -33,7 +34,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_file", nargs="?", help="run file (TOML/YAML/JSON); default: the built-in demo")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--run-dir", type=Path, help="where everything is written (default runs/<time>)")
-    parser.add_argument("--replicas", type=int, default=1, help="rollout replicas (default 1)")
+    parser.add_argument("--replicas", type=int, default=1, help="rollout replicas at start (default 1)")
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        help="autoscale rollout replicas by the run's desired-replica signal, never below this (default:"
+        " --replicas); needs --max-replicas",
+    )
+    parser.add_argument(
+        "--max-replicas", type=int, help="autoscale rollout replicas up to this many (default: none)"
+    )
+    parser.add_argument(
+        "--scale-up-after",
+        type=float,
+        default=10.0,
+        help="seconds the signal must ask for more replicas before one is added (default 10)",
+    )
+    parser.add_argument(
+        "--scale-down-after",
+        type=float,
+        default=60.0,
+        help="seconds the signal must ask for fewer replicas before one is removed (default 60)",
+    )
     parser.add_argument(
         "--learner-ranks", type=int, default=1, help="learner ranks under torchrun (default 1)"
     )
@@ -62,6 +84,12 @@ class Stack:
         self.run_dir = run_dir
         self.procs: list[ServiceProcess] = []
 
+    def process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
+        """A new, not yet started process of this stack (stopped with the rest at the end)."""
+        proc = ServiceProcess(name, argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+        self.procs.append(proc)
+        return proc
+
     def start(
         self,
         name: str,
@@ -71,8 +99,7 @@ class Stack:
         env: dict[str, str] | None = None,
         timeout_s: float = 300,
     ) -> str:
-        proc = ServiceProcess(name, argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
-        self.procs.append(proc)
+        proc = self.process(name, argv, env)
         print(f"  starting {name} ...", end="", flush=True)
         match = proc.start(ready, timeout_s=timeout_s)
         print(f" ready (pid {proc.pid})", flush=True)
@@ -123,24 +150,55 @@ def start_redis(stack: Stack, args: argparse.Namespace) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def start_services(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> str:
-    """Starts reward, rollout, learner and coordinator; returns the coordinator's URL."""
-    run_id = spec.name
+REPLICA_READY = r"serving version (\d+)"
+
+
+def start_services(
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, policy: ScalePolicy | None
+) -> tuple[str, LocalScaler | None]:
+    """Starts reward, rollout, learner and coordinator; returns the coordinator's URL and the replica
+    scaler (None without --max-replicas)."""
     reward = stack.start(
         "reward", cli("serve", "reward", "--port", "0", "--set", "workers=1"), r"listening on (\S+)"
     )
-    weights = str(Path(spec.output_dir) / run_id / "weights")
+
+    def replica(i: int) -> ServiceProcess:
+        return replica_process(stack, args, spec, redis_url, i)
+
+    replicas = []
     for i in range(args.replicas):
-        start_replica(stack, args, spec, redis_url, weights, i)
+        replicas.append(replica(i))
+        print(f"  starting {replicas[-1].name} ...", end="", flush=True)
+        replicas[-1].start(REPLICA_READY, timeout_s=300)
+        print(f" ready (pid {replicas[-1].pid})", flush=True)
     start_learner(stack, args, spec, redis_url)
     coordinator = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={redis_url}")
     coordinator += ["--set", f"reward_address={reward}"]
-    return stack.start("coordinator", coordinator, r"listening on (http://\S+)")
+    url = stack.start("coordinator", coordinator, r"listening on (http://\S+)")
+    return url, LocalScaler(policy, replica, REPLICA_READY, replicas) if policy else None
 
 
-def start_replica(
-    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, weights: str, i: int
-) -> None:
+def scale_policy(args: argparse.Namespace) -> ScalePolicy | None:
+    """The local scaler's policy from the flags; None without --max-replicas. ValueError when the
+    bounds do not hold --replicas."""
+    if args.max_replicas is None:
+        if args.min_replicas is not None:
+            raise ValueError("--min-replicas needs --max-replicas")
+        return None
+    minimum = args.replicas if args.min_replicas is None else args.min_replicas
+    if not minimum <= args.replicas <= args.max_replicas:
+        raise ValueError(
+            f"--replicas {args.replicas} must lie within --min-replicas {minimum} and --max-replicas "
+            f"{args.max_replicas}"
+        )
+    return ScalePolicy(minimum, args.max_replicas, args.scale_up_after, args.scale_down_after)
+
+
+def replica_process(
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, i: int
+) -> ServiceProcess:
+    """Rollout replica `i` of the run (not started)."""
+    weights = str(Path(spec.output_dir) / spec.name / "weights")
     argv = cli("serve", "rollout", "--model", spec.model.path, "--port", "0", "--engine", args.engine)
     settings = [
         f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id=rollout-{i}",
@@ -149,9 +207,7 @@ def start_replica(
     ]  # fmt: skip
     for setting in settings:
         argv += ["--set", setting]
-    stack.start(
-        f"rollout-{i}", argv, r"serving version (\d+)", env=vllm_env(stack.run_dir, compile_=args.compile)
-    )
+    return stack.process(f"rollout-{i}", argv, vllm_env(stack.run_dir, compile_=args.compile))
 
 
 def start_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> None:
@@ -182,8 +238,11 @@ def submit(url: str, spec: Any) -> str:
     return str(response.json()["run_id"])
 
 
-def watch(url: str, run_id: str, steps: int, *, progress: bool) -> dict[str, Any]:
-    """Polls the run until it ends; Ctrl-C asks the coordinator to stop it and keeps watching."""
+def watch(
+    url: str, run_id: str, steps: int, *, progress: bool, scaler: LocalScaler | None = None
+) -> dict[str, Any]:
+    """Polls the run until it ends (scaling the replicas by its signal when there is a scaler); Ctrl-C
+    asks the coordinator to stop it and keeps watching."""
     import httpx
     from tqdm import tqdm
 
@@ -199,8 +258,20 @@ def watch(url: str, run_id: str, steps: int, *, progress: bool) -> dict[str, Any
             httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=10)
             continue
         show_progress(bar, status, progress=progress)
+        if scaler is not None:
+            follow_signal(scaler, status, bar)
     bar.close()
     return status
+
+
+def follow_signal(scaler: LocalScaler, status: dict[str, Any], bar: Any) -> None:
+    """One reading of the run's desired replica count for the local scaler."""
+    desired = (status.get("scaling") or {}).get("desired_replicas")
+    event = scaler.observe(None if desired is None else int(desired), time.monotonic())
+    if event is not None:
+        verb = "adding" if event.action == "out" else "removing"
+        wanted = f"{event.running_before} running, {event.desired} wanted"
+        bar.write(f"autoscale: {verb} {event.replica} ({wanted})")
 
 
 def show_progress(bar: Any, status: dict[str, Any], *, progress: bool) -> None:
@@ -242,12 +313,19 @@ def plot(metrics_path: Path, out: Path) -> Path | None:
     return out
 
 
-def summarize(status: dict[str, Any], run_dir: Path, run_id: str) -> None:
+def summarize(status: dict[str, Any], run_dir: Path, run_id: str, scaler: LocalScaler | None) -> None:
     run_path = run_dir / run_id
     png = plot(run_path / "metrics.jsonl", run_path / "curves.png")
     print(f"\nrun {run_id}: {status.get('state')} at step {status.get('step')}")
-    if status.get("error"):
-        print(f"  error: {status['error']}")
+    for key in ("error", "stop_reason", "last_good_checkpoint"):
+        if status.get(key) is not None:
+            print(f"  {key.replace('_', ' ')}: {status[key]}")
+    for warning in status.get("warnings") or []:
+        print(f"  warning: {warning}")
+    if scaler is not None:
+        outs = sum(e.action == "out" for e in scaler.events)
+        ins = len(scaler.events) - outs
+        print(f"  autoscaling: {outs} added, {ins} removed, {scaler.failed_starts} failed to start")
     for name, value in sorted((status.get("counters") or {}).items()):
         print(f"  {name}: {value}")
     print(f"  run directory: {run_path} (metrics.jsonl, checkpoints/, weights/, logs in {run_dir / 'logs'})")
@@ -264,16 +342,22 @@ def run(args: argparse.Namespace) -> int:
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"rlfabric up: run directory {run_dir}", flush=True)
+    try:
+        policy = scale_policy(args)
+    except ValueError as exc:
+        print(f"rlfabric up: {exc}", file=sys.stderr)
+        return 2
     spec = load_spec(args, run_dir)
     stack = Stack(run_dir)
     signal.signal(signal.SIGTERM, interrupt)
+    scaler = None
     try:
         redis_url = start_redis(stack, args)
-        url = start_services(stack, args, spec, redis_url)
+        url, scaler = start_services(stack, args, spec, redis_url, policy)
         run_id = submit(url, spec)
         print(f"run {run_id} submitted; page: {url}/runs/{run_id}", flush=True)
-        status = watch(url, run_id, spec.train.steps, progress=not args.no_progress)
+        status = watch(url, run_id, spec.train.steps, progress=not args.no_progress, scaler=scaler)
     finally:
         stack.stop()
-    summarize(status, run_dir, spec.name)
+    summarize(status, run_dir, spec.name, scaler)
     return 0 if status.get("state") == "completed" else 1

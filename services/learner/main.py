@@ -124,22 +124,24 @@ class Learner:
         """Rank 0: the step's deliveries ([] if none arrived in time; None to stop)."""
         if not self.world.is_main:
             return []
-        if self.stopping or await self.stopped_by_health():
+        if self.stopping or await self.stop_reason() == "health":
             return None
         self.set_state(learner_pb2.LEARNER_STATE_WAITING)
         deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
         if deliveries:
             failpoints.hit("learner.after_read")
-        elif await self.redis.exists(f"rlfabric:{self.config.run_id}:stop_requested"):
+        elif await self.stop_reason() is not None:
             return None  # the run was stopped (or its prompts ran out) and nothing is left to train
         return deliveries
 
-    async def stopped_by_health(self) -> bool:
-        """The coordinator stopped the run on a health check: stop before another step (and, in
-        `finish`, write no checkpoint of the suspect policy, so the good ones stay)."""
-        reason = await self.redis.get(f"rlfabric:{self.config.run_id}:stop_requested")
-        self.health_stop = reason in (b"health", "health")
-        return self.health_stop
+    async def stop_reason(self) -> str | None:
+        """Why the coordinator ended the run, None while it goes on. "health" (a health check stopped
+        it) means: stop before another step and, in `finish`, write no checkpoint of the suspect policy,
+        so the good ones stay."""
+        raw = await self.redis.get(f"rlfabric:{self.config.run_id}:stop_requested")
+        reason = raw.decode() if isinstance(raw, bytes) else raw
+        self.health_stop = reason == "health"
+        return reason
 
     def encode(self, deliveries: list[Delivery] | None) -> list[bytes] | None:
         if deliveries is None:

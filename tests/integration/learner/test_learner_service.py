@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,36 @@ def test_killed_learner_resumes_and_trains_every_group_exactly_once(
     assert store.latest_committed(str(run_dir / "weights")) >= 4
     client = redis.Redis.from_url(redis_url)
     assert client.xpending(streams.groups_key(run_id), streams.CONSUMER_GROUP)["pending"] == 0
+
+
+@pytest.mark.parametrize(("reason", "final_checkpoint"), [("health", 2), ("stopped", 3)])
+def test_a_health_stop_halts_without_checkpointing_the_suspect_policy(
+    tiny_model_dir: Path, tmp_path: Path, redis_url: str, reason: str, final_checkpoint: int
+) -> None:
+    """After 3 steps (checkpoints every 2) the run is stopped: a health stop leaves step 2 as the newest
+    checkpoint and step 3's groups unacknowledged (a resume retrains them once); a plain stop
+    checkpoints step 3 and acknowledges everything."""
+    run_id = f"halt-{reason}"
+    enqueue(redis_url, run_id, make_groups(tiny_model_dir, run_id, 6))
+    config = write_config(tmp_path, tiny_model_dir, redis_url, run_id, steps=10)
+    settings = yaml.safe_load(config.read_text())
+    settings["run"]["train"]["checkpoint_every"] = 2
+    config.write_text(yaml.safe_dump(settings))
+    client = redis.Redis.from_url(redis_url)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "rlfabric.cli", "serve", "learner", "--config", str(config)]
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while int(client.get(f"rlfabric:{run_id}:step") or 0) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "the learner did not reach step 3"
+            time.sleep(0.2)
+        client.set(f"rlfabric:{run_id}:stop_requested", reason)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    latest = latest_complete(tmp_path / "runs" / run_id / "checkpoints")
+    assert latest is not None and latest.name == f"step-{final_checkpoint:06d}"
+    pending = client.xpending(streams.groups_key(run_id), streams.CONSUMER_GROUP)["pending"]
+    assert pending == (2 if reason == "health" else 0)
