@@ -38,7 +38,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "Cells: median items/s over the repeats and their min..max; p50/p99 of every Score call of every "
         "repeat; busy cores = CPU seconds per wall second of this client, the server process and its "
         "scorer workers; ratio per CPU-s = service items per CPU-second (server + workers) over in-process "
-        "items per CPU-second of the scoring thread (robust to other load on the machine).",
+        "items per CPU-second of the scoring thread (robust to other load on the machine). Cores used by "
+        "the service = its scorer workers + the server process's measured share (CPU-s per wall-s); the "
+        "ratio per core = service items/s / cores used / in-process items/s.",
         "",
         f"### (a) math_verify: {math_result['items']} distinct items, "
         f"goal ≥ {goals['math_verify_ratio_per_core']} per core",
@@ -69,7 +71,7 @@ def math_rows(math_result: dict[str, Any]) -> list[list[str]]:
         stats = Stats(**s["items_per_s"])
         head = [
             f"gRPC service, {name}",
-            str(s["cores"]),
+            f"{s['cores']:.2f}",
             str(s["in_flight"]),
             fmt(stats.median),
             stats.spread(),
@@ -137,19 +139,19 @@ def math_notes(math_result: dict[str, Any]) -> list[str]:
     for name, s in math_result["service"].items():
         busy, per_item = s["cpu_cores"]["workers"], s["cpu_us_per_item"]
         lines.append(
-            f"- math_verify {name}: {s['ratio_per_core']:.2f} of in-process items/s per core "
-            f"({verdict(s['goal_met'], reliable)}). Its workers kept {busy:.2f} of {s['cores']} cores busy"
-            + (" (they did not get their cores)" if busy < 0.9 * s["cores"] else "")
+            f"- math_verify {name}: {s['ratio_per_core']:.2f} of in-process items/s per core used "
+            f"({verdict(s['goal_met'], reliable)}). Its workers kept {busy:.2f} of {s['workers']} cores busy"
+            + (" (they did not get their cores)" if busy < 0.9 * s["workers"] else "")
             + f"; per item they used {per_item['workers'] / 1000:.2f} ms of CPU and the server process "
             f"{per_item['server'] / 1000:.3f} ms, against {base_us / 1000:.2f} ms in-process "
             f"(ratio per CPU-second {s['ratio_per_cpu_s']:.2f})."
         )
     if any(not s["goal_met"] for s in math_result["service"].values()):
         lines.append(
-            "- Where extra worker CPU per item goes is not isolated here: JSON framing to and from the "
-            "worker, `run_scorer`'s per-item threads (a hung item times out alone), and interference from "
-            "whatever shares the cores all count; a configuration whose workers did not get their cores "
-            "misses the wall-clock goal whatever the service's own cost."
+            "- A configuration whose workers did not get their cores misses the wall-clock goal whatever "
+            "the service's own cost; the ratio per CPU-second says what the service path itself costs "
+            "(JSON framing to and from the worker, the supervised per-item thread that lets a hung item "
+            "time out alone, proto conversion in the server process)."
         )
     return lines
 
@@ -168,11 +170,11 @@ def exact_notes(exact_result: dict[str, Any], goal: float) -> list[str]:
     )
     if not exact_result["goal_met"]:
         line += (
-            f" Reaching {fmt(goal)} items/s at batch {exact_result['batch_size']} needs the server's CPU per "
-            "call to fall: the scorer is a few µs per item, the rest is the single Python server process "
-            "converting each item proto → `ScoreInput` (with a `MessageToDict` of its metadata) and each "
-            "result back to a proto, a thread hand-off (and a deadline thread) per batch, the interceptor "
-            "and the metrics. Past saturation, more calls in flight only add queueing latency."
+            f" Reaching {fmt(goal)} items/s at batch {exact_result['batch_size']} takes one whole core for "
+            "the server process (its event-loop thread does the work: gRPC aio's per-call machinery, the "
+            "proto conversions and the scoring, all under one GIL) and the client's share besides; "
+            "whatever else runs on the cores takes from that. Past saturation, more calls in flight only "
+            "add queueing latency."
         )
     return [line]
 

@@ -104,3 +104,34 @@ async def test_arun_scorer_native_async_and_timeout():
 async def test_arun_scorer_sync_scorer_runs_on_a_thread():
     results = await arun_scorer(_PerItem(), items_of("1", "raise"))
     assert [r.status for r in results] == ["ok", "scorer_error"]
+
+
+class _CountsThreads(_PerItem):
+    """Records how many items were being scored at once."""
+
+    item_threads = 1
+    lock = threading.Lock()
+    active = 0
+    peak = 0
+
+    def _score_one(self, item: ScoreInput) -> float:
+        cls = type(self)
+        with cls.lock:
+            cls.active += 1
+            cls.peak = max(cls.peak, cls.active)
+        time.sleep(0.01)
+        with cls.lock:
+            cls.active -= 1
+        return super()._score_one(item)
+
+
+def test_item_threads_caps_concurrent_items_and_a_hung_item_still_times_out_alone():
+    results = run_scorer(_CountsThreads(), items_of(*"12345678"), max_workers=8)
+    assert [r.reward for r in results] == [float(c) for c in "12345678"]
+    assert _CountsThreads.peak == 1
+    RELEASE.clear()
+    start = time.monotonic()
+    results = run_scorer(_CountsThreads(), items_of("1", "hang", "2"), item_timeout_s=0.3, max_workers=8)
+    RELEASE.set()
+    assert time.monotonic() - start < 2
+    assert [r.status for r in results] == ["ok", "timeout", "ok"]
