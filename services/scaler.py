@@ -90,8 +90,9 @@ class LocalScaler:
         if now - self._want[1] < patience:
             return None
         self._want = None
+        before = len(self.replicas)
         proc = self.scale_out() if direction > 0 else self.scale_in()
-        event = ScaleEvent(now, "out" if direction > 0 else "in", proc.name, target, len(self.replicas))
+        event = ScaleEvent(now, "out" if direction > 0 else "in", proc.name, target, before)
         self.events.append(event)
         return event
 

@@ -152,9 +152,7 @@ def _store(request: Request) -> RunStore:
 Store = Annotated[RunStore, Depends(_store)]
 
 
-def run_routes(
-    token: str | None, on_submit: RunHook | None, on_stop: RunHook | None
-) -> APIRouter:
+def run_routes(token: str | None, on_submit: RunHook | None, on_stop: RunHook | None) -> APIRouter:
     """The /v1 routes."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))], tags=["runs"])
 

@@ -2,9 +2,10 @@
 
     loop until the learner finishes, the prompts run out, or a stop is requested:
       1. admit     wait until the policy-lag bound allows another group in flight:
-                   unread by the learner + in flight < (1 + max_staleness) * groups_per_step
+                   queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step
       2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
-      3. dispatch  to the least-loaded serving replica (discovered in the Redis registry)
+      3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
+                   only once it serves the learner's latest announced version
       4. score     the group's n completions in one Score call
       5. enqueue   the ScoredGroup, exactly once per group id (a Lua script: mark + XADD + clear in-flight),
                    with backpressure on the undelivered backlog; or drop it with a recorded reason
@@ -90,6 +91,7 @@ class Keys:
         self.counters, self.step = f"{base}:counters", f"{base}:step"
         self.eval, self.groups = f"{base}:eval", groups_key(run_id)
         self.scaling = scaling_key(run_id)
+        self.version = f"{base}:version"
 
 
 class ReplicaPool:
@@ -283,12 +285,20 @@ class RunPipeline:
         return (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
 
     async def admits(self, step: int) -> bool:
-        """Policy-lag bound: groups in flight plus groups queued but not yet read by the learner stay
-        within (max_staleness + 1) steps' worth. Counting what the learner has not read (instead of
-        everything ever queued) keeps the bound live when the learner drops stale groups."""
-        bound = self.admit_bound
-        backlog = await undelivered(self.redis, self.run_id, cap=bound)
-        return backlog + len(self.in_flight) < bound
+        """Policy-lag bound: groups in flight plus groups queued and not yet trained or dropped by the
+        learner stay within (max_staleness + 1) steps' worth, so every admitted group is trained within
+        that many steps of the version it is generated with (which `generate` makes the latest one).
+        A group the learner is training still counts: with max_staleness 0, generation of step t+1
+        starts only once step t is trained and published (synchronous on-policy)."""
+        return len(self.in_flight) + await self.queued_untrained() < self.admit_bound
+
+    async def queued_untrained(self) -> int:
+        """Groups enqueued that the learner has neither trained (in its current lineage) nor dropped."""
+        raw = await self.redis.hmget(
+            self.keys.counters, ["groups_queued", "groups_trained", "dropped_stale", "dead_lettered"]
+        )
+        queued, trained, stale, dead = (int(v or 0) for v in raw)
+        return max(0, queued - trained - stale - dead)
 
     async def drained(self) -> bool:
         """Everything enqueued has been trained or dropped by the learner (nothing left to wait for)."""
@@ -339,9 +349,11 @@ class RunPipeline:
         await self.finish_group(item, row, samples, scores)
 
     async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        latest = int(await self.redis.get(self.keys.version) or 0)  # the learner's announced version
         address = await self.replicas.acquire()
         request = rollout_pb2.GenerateRequest(
             request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
+            min_policy_version=latest,
             prompts=[
                 rollout_pb2.GeneratePrompt(
                     prompt_id=row.prompt_id,

@@ -159,6 +159,7 @@ class StepSource:
             {"group_id": delivery.group.group_id, "reason": "stale", "lag": str(lag)},
         )
         await self.consumer.ack([delivery.entry_id])
+        await self.redis.hincrby(f"rlfabric:{self.run_id}:counters", "dropped_stale", 1)
         self.counters.dropped_stale += 1
         log.info("dropped stale group %s (lag %d)", delivery.group.group_id, lag)
 

@@ -216,6 +216,8 @@ class Learner:
         self.export.write(row)
         await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
         await self.redis.set(f"rlfabric:{self.config.run_id}:step", self.trainer.step)
+        # the groups applied in this lineage (a crash rolls it back with the checkpoint it restores)
+        await self.redis.hset(f"rlfabric:{self.config.run_id}:counters", "groups_trained", len(self.ledger))
         self.update_status(metrics, counters)
 
     def build_row(self, metrics: dict[str, float], counters: Any) -> dict[str, Any]:

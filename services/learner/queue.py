@@ -384,6 +384,7 @@ class GroupConsumer:
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.dead_key, record)  # type: ignore[arg-type]
         pipe.xack(self.key, CONSUMER_GROUP, entry_id)
+        pipe.hincrby(f"rlfabric:{self.run_id}:counters", "dead_lettered", 1)  # the coordinator's lag bound
         await pipe.execute()
         self._in_flight.discard(entry_id)
         self.counters.count_dead(reason)

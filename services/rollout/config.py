@@ -65,3 +65,6 @@ class RolloutServiceConfig(StrictModel):
     """Bearer token required on UpdateWeights; set it from RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file."""
     update_timeout_s: float = Field(default=120.0, gt=0)
     """Default limit on a whole weight update."""
+    min_version_wait_s: float = Field(default=30.0, gt=0)
+    """A Generate request with `min_policy_version` above the serving version waits this long for it
+    (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""

@@ -106,6 +106,7 @@ def assemble(config: RolloutServiceConfig) -> Parts:
         max_n=config.max_n,
         max_tokens=config.max_tokens,
         max_prompts=config.max_prompts_per_request,
+        min_version_wait_s=config.min_version_wait_s,
     )
     replica = Replica(engine, limits)
     weights = WeightsSource(engine, base_model_dir=config.engine.model, root_url=config.weights_root)

@@ -42,6 +42,8 @@ class Limits:
     max_n: int
     max_tokens: int
     max_prompts: int
+    min_version_wait_s: float = 30.0
+    """How long a request that needs a newer version than the serving one waits for it."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Replica:
         self._update_lock = asyncio.Lock()
         self._requests: set[str] = set()
         self._restore: Loader | None = None
+        self._new_version = asyncio.Event()  # set (and replaced) whenever the serving version changes
         self.started_at = time.monotonic()
 
     @property
@@ -100,10 +103,12 @@ class Replica:
                 )
 
     async def generate(
-        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
+        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings, min_version: int = 0
     ) -> AsyncGenerator[tuple[EngineSample, int], None]:
-        """Streams (sample, version at admission). Waits while an update holds admission closed."""
+        """Streams (sample, version at admission). Waits while an update holds admission closed, and
+        until the replica serves at least `min_version` (FailedPrecondition past `min_version_wait_s`)."""
         self.check_request(prompts, sampling)
+        await self._version_at_least(min_version)
         version = await self._admit(request_id, len(prompts))
         try:
             async for sample in self.engine.generate(request_id, prompts, sampling):
@@ -111,6 +116,23 @@ class Replica:
                 yield sample, version
         finally:
             self._release(request_id, len(prompts))
+
+    async def _version_at_least(self, min_version: int) -> None:
+        deadline = time.monotonic() + self.limits.min_version_wait_s
+        while self.version is not None and self.version < min_version:
+            changed = self._new_version
+            try:
+                await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise FailedPrecondition(
+                    f"min_policy_version: this replica serves version {self.version} and version "
+                    f"{min_version} did not arrive within {self.limits.min_version_wait_s:g} s"
+                ) from None
+
+    def _set_version(self, version: int | None) -> None:
+        self.version = version
+        self._new_version.set()
+        self._new_version = asyncio.Event()
 
     async def _admit(self, request_id: str, count: int) -> int:
         await self._admitting.wait()
@@ -142,7 +164,7 @@ class Replica:
 
     def start_serving(self, version: int, restore: Loader) -> None:
         """Marks the engine's current weights as `version`; `restore` reloads them after a failed update."""
-        self.version = version
+        self._set_version(version)
         self._restore = restore
 
     async def update(
@@ -166,7 +188,8 @@ class Replica:
             load_s = await self._load(load, deadline)
         finally:
             self._admitting.set()
-        self.version, self._restore, self.last_load_s = version, restore, load_s
+        self._restore, self.last_load_s = restore, load_s
+        self._set_version(version)
         return UpdateTimings(version, drain_s, load_s)
 
     async def _drain(self, abort_in_flight: bool, deadline: float) -> float:
@@ -208,7 +231,7 @@ class Replica:
                 await self.engine.reset_prefix_cache()
         except Exception:
             log.exception("could not restore the serving version; this replica stops serving")
-            self.version = None
+            self._set_version(None)
 
 
 def check_sampling(s: SamplingSettings, limits: Limits) -> None:

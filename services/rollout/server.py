@@ -55,7 +55,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise Unavailable("this replica holds no published weights yet")
         prompts = [self.tokenize(i, p.prompt) for i, p in enumerate(request.prompts)]
         sampling = sampling_from_proto(request.sampling)
-        stream = self.replica.generate(request.request_id, prompts, sampling)
+        stream = self.replica.generate(request.request_id, prompts, sampling, request.min_policy_version)
         try:
             async for sample, version in stream:
                 yield self.sample_to_proto(request, sample, version)

@@ -26,14 +26,16 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling")
+    __slots__ = ("request_id", "prompts", "sampling", "min_policy_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[GeneratePrompt]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    min_policy_version: int
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
 
 class GeneratePrompt(_message.Message):
     __slots__ = ("prompt_id", "prompt")

@@ -53,6 +53,7 @@ def test_scales_out_only_after_the_signal_held_for_the_patience() -> None:
     assert s.observe(2, 9.0) is None
     event = s.observe(2, 10.0)
     assert event is not None and event.action == "out" and event.replica == "rollout-1"
+    assert (event.running_before, event.desired) == (1, 2)
     settle(s)
     assert [p.name for p in s.replicas] == ["rollout-0", "rollout-1"]
     assert s.observe(2, 11.0) is None  # satisfied

@@ -35,7 +35,9 @@ def hacked_rows() -> list[dict[str, Any]]:
 
 
 def spec(**health: Any) -> RunSpec:
-    return RunSpec.model_validate({**BASE, "health": {"window": 5, **health}, "train": {"keep_checkpoints": 3}})
+    return RunSpec.model_validate(
+        {**BASE, "health": {"window": 5, **health}, "train": {"keep_checkpoints": 3}}
+    )
 
 
 def test_last_good_checkpoint_is_the_newest_kept_one_before_the_problem() -> None:

@@ -68,13 +68,15 @@ def spec(tmp_path: Path, model: Path) -> RunSpec:
 
 
 async def fake_learner(redis: aioredis.Redis, done: asyncio.Event) -> None:
-    """Reads and acknowledges groups, advancing `rlfabric:{run}:step` every G groups."""
+    """Reads and acknowledges groups, advancing `rlfabric:{run}:step` every G groups and reporting what
+    it trained in the run's counters (the coordinator's lag bound reads `groups_trained`)."""
     consumer = GroupConsumer(redis, RUN, "fake-learner", max_deliveries=3, claim_idle_ms=60_000)
     read = 0
     while not done.is_set():
         deliveries = await consumer.read(G, block_ms=200)
         await consumer.ack([d.entry_id for d in deliveries])
         read += len(deliveries)
+        await redis.hset(f"rlfabric:{RUN}:counters", "groups_trained", read)
         await redis.set(f"rlfabric:{RUN}:step", read // G)
 
 

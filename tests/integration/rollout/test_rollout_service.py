@@ -431,3 +431,30 @@ async def test_replica_follows_the_announced_version(
         await client.aclose()
         await parts.heartbeat.stop()  # type: ignore[union-attr]
         await shutdown(parts)
+
+
+async def test_min_policy_version_waits_for_the_update_then_is_served_by_it(
+    tiny_model_dir: Path, tmp_path: Path, other_model: Path
+) -> None:
+    """A request for a version the replica does not hold yet waits for the update and carries the new
+    version; one whose version never comes fails with FAILED_PRECONDITION, and the replica serves on."""
+    parts = await started(config_for(tiny_model_dir, tmp_path / "weights", "min_version_wait_s=3"))
+    await load_initial_weights(parts)
+    try:
+        req = request(n=1)
+        req.min_policy_version = 1
+        waiting = asyncio.get_running_loop().create_task(collect(parts, req))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # held: the replica serves version 0
+        store.publish_version(str(tmp_path / "weights"), 1, state_dict_of(other_model))
+        await stub(parts).UpdateWeights(update(1), metadata=AUTH, timeout=60)
+        assert {s.policy_version for s in await asyncio.wait_for(waiting, 30)} == {1}
+        never = request(n=1, request_id="r2")
+        never.min_policy_version = 5
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(parts, never)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "min_policy_version" in (err.value.details() or "")
+        assert {s.policy_version for s in await collect(parts, request(n=1, request_id="r3"))} == {1}
+    finally:
+        await shutdown(parts)

@@ -94,7 +94,8 @@ def test_accumulation_is_exact(tiny_model_dir: Path, world: World) -> None:
     """One pair per forward pass trains like all pairs in one, including a label-smoothed loss: the
     metrics of the second step agree to 1e-4, and the weights after it differ by under 1% (in norm) of
     how far the two steps moved them. Element-wise equality is not the right test: Adam divides by each
-    gradient's own size, so an element whose gradient is rounding noise takes a full-size step in a random direction."""
+    gradient's own size, so an element whose gradient is rounding noise takes a full-size step in a
+    random direction."""
     pairs = consistent_pairs(n=3, seed=1)
     results = []
     initial: dict[str, torch.Tensor] = {}
