@@ -242,9 +242,13 @@ class Learner:
         return {"eval_reward_mean": latest["reward_mean"], "eval_policy_version": latest["policy_version"]}
 
     async def rollout_utilisation(self) -> dict[str, float]:
-        """The coordinator's latest busy fraction of the run's replicas (its autoscaling signal)."""
-        raw = await self.redis.hget(f"rlfabric:{self.config.run_id}:scaling", "busy_fraction")  # type: ignore[misc]
-        return {"rollout_busy_fraction": float(raw)} if raw is not None else {}
+        """The coordinator's latest busy fractions of the run's replicas (its autoscaling signal): over
+        its recent window, and since the run's first dispatch."""
+        key = f"rlfabric:{self.config.run_id}:scaling"
+        recent, run = await self.redis.hmget(key, ["busy_fraction", "run_busy_fraction"])  # type: ignore[misc]
+        if recent is None or run is None:
+            return {}
+        return {"rollout_busy_fraction": float(recent), "rollout_busy_fraction_run": float(run)}
 
     def update_status(self, metrics: dict[str, float], counters: Any) -> None:
         queue = self.source.consumer.counters

@@ -57,7 +57,7 @@ class RolloutServiceConfig(StrictModel):
     """Run whose registry and weights this replica follows; None serves the base model only."""
     redis: RedisConfig | None = None
     """Registry: replicas register here with a heartbeat TTL. None disables registration."""
-    version_poll_s: float = Field(default=0.5, gt=0)
+    version_poll_s: float = Field(default=0.1, gt=0)
     """How often a replica bound to a run checks the learner's announced version (and loads it)."""
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Registry heartbeat interval; the entry expires after three missed beats."""

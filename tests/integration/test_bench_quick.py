@@ -82,3 +82,14 @@ def test_learner_step_bench_quick(tmp_path: Path) -> None:
     tokens_per_s = result["result"]["tokens_per_s"]
     assert tokens_per_s["learner"]["median"] > 0 and tokens_per_s["plain"]["median"] > 0
     assert result["result"]["ratio"] > 0 and isinstance(result["goal_met"], bool)
+
+
+def test_rollout_busy_bench_quick(tmp_path: Path) -> None:
+    result = run_quick("rollout_busy", tmp_path, timeout=600)
+    assert result["quick"] is True and result["engine"] == "transformers"
+    assert set(result["busy_fraction"]) == {"async (max_staleness 1)", "sync (max_staleness 0)"}
+    for runs in result["runs"].values():
+        (run,) = runs
+        assert 0 < run["busy_fraction"] <= 1
+        assert run["steps"] == 2 and run["dropped_stale"] == 0
+    assert isinstance(result["goal_met"], bool)
