@@ -11,6 +11,7 @@ for vLLM replicas.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,14 +44,17 @@ def scaled_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str
 @pytest.fixture(scope="module")
 def books(scaled_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
     """The run's Redis, reopened from its AOF after `up` stopped it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
     proc = ServiceProcess(
         "redis-audit",
-        ["redis-server", "--port", "0", "--bind", "127.0.0.1", "--dir", str(scaled_run / "redis"),
-         "--appendonly", "yes", "--save", "", "--unixsocket", str(scaled_run / "audit.sock")],
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(scaled_run / "redis"),
+         "--appendonly", "yes", "--save", ""],
         log_path=tmp_path_factory.mktemp("audit") / "redis.log",
     )  # fmt: skip
     proc.start(r"Ready to accept connections", timeout_s=30)
-    client = redis.Redis(unix_socket_path=str(scaled_run / "audit.sock"))
+    client = redis.Redis(port=port)
     yield client
     client.close()
     proc.stop()

@@ -154,3 +154,20 @@ def test_shared_modules_import_neither_torch_nor_the_tracing_sdk() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_step_span_links_the_groups_it_consumed(exporter: InMemorySpanExporter) -> None:
+    """The learner's shape: each group's stored context becomes a link of the step's span and the parent
+    of the group's own closing span."""
+    stored = []
+    for name in ("group-a", "group-b"):
+        with telemetry.span(name):
+            stored.append(
+                common_pb2.TraceContext.FromString(telemetry.to_trace_context().SerializeToString())
+            )
+    contexts = [telemetry.from_trace_context(t) for t in stored]
+    with telemetry.span("learner.step", links=[c for c in contexts if c is not None]):
+        pass
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    linked = {link.context.span_id for link in finished["learner.step"].links}
+    assert linked == {finished["group-a"].context.span_id, finished["group-b"].context.span_id}
