@@ -1,0 +1,231 @@
+"""The two systems `bench/e2e_trl.py` compares, each run as real processes, and what is read off them.
+
+- `run_rlfabric`: `rlfabric up RUN_FILE` (redis-server, reward service, a vLLM replica, the learner and
+  the coordinator, each its own process); figures come from the learner's metrics.jsonl.
+- `run_trl`: TRL's `GRPOTrainer` in one process (`_e2e_trl_worker.py`); figures from its step rows.
+
+Both are sampled for CPU seconds (the whole process tree, from /proc, once a second), so a table can say
+how many cores each system actually got on a shared machine. The shared `Task` is the single source of
+every hyperparameter both sides use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from common import BENCH_DIR, child_pids, cpu_seconds
+
+REWARD_FUNCTION = "rlfabric.coordinator.demo:letter_reward"
+"""The TRL-signature reward both systems call: the fraction of the reply's characters that are "x"."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What both systems train: the same model, prompts, reward function and hyperparameters."""
+
+    model: str
+    prompts: str
+    steps: int
+    group_size: int
+    prompts_per_step: int
+    max_tokens: int
+    lr: float
+    kl_coef: float
+    micro_batch_size: int
+    seed: int = 0
+    threads: int = 2
+    """torch threads of the TRL process (the machine's cores)."""
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.group_size * self.prompts_per_step
+
+
+def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
+    """The run file: overrides only, every one of them a field of `Task` (or a choice the TRL side
+    makes the same way: plain-text prompts, constant lr, token-mean loss, std-scaled advantages)."""
+    return {
+        "name": name,
+        "model": {"path": task.model, "max_model_len": 64 + task.max_tokens},
+        "dataset": {
+            "path": task.prompts,
+            "reference_field": None,
+            "chat_template": False,
+            "shuffle_seed": task.seed,
+            "epochs": 1000,
+        },
+        "rollout": {
+            "sampling": {"n": task.group_size, "max_tokens": task.max_tokens, "temperature": 1.0},
+            "max_staleness": 1,
+        },
+        "reward": {"scorer": "python_function", "params": {"function": REWARD_FUNCTION}},
+        "algorithm": {
+            "advantage": "grpo",
+            "loss_aggregation": "token_mean",
+            "kl": {"coef": task.kl_coef, "estimator": "k3"},
+        },
+        "optim": {"lr": task.lr, "schedule": "constant", "grad_clip": 1.0},
+        "train": {
+            "steps": task.steps,
+            "groups_per_step": task.prompts_per_step,
+            "micro_batch_size": task.micro_batch_size,
+            "checkpoint_every": task.steps,
+            "seed": task.seed,
+        },
+    }
+
+
+class TreeCpu:
+    """Samples the CPU seconds of a process and all its descendants once a second, in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []  # (epoch seconds, CPU seconds so far)
+        self.seen: dict[int, float] = {}  # last CPU reading of every process ever seen (the dead keep it)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def loop(self) -> None:
+        while not self.done.wait(1.0):
+            self.sample()
+
+    def sample(self) -> None:
+        stack = [self.pid]
+        while stack:
+            pid = stack.pop()
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                self.seen[pid] = cpu
+                stack += child_pids(pid)
+        self.samples.append((time.time(), sum(self.seen.values())))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def at(self, t: float) -> float:
+        """CPU seconds used by time `t` (the last sample at or before it)."""
+        before = [cpu for when, cpu in self.samples if when <= t]
+        return before[-1] if before else 0.0
+
+    def cores_between(self, t0: float, t1: float) -> float:
+        return (self.at(t1) - self.at(t0)) / (t1 - t0) if t1 > t0 else float("nan")
+
+
+def run_tree(argv: list[str], log: Path, env: dict[str, str], timeout_s: float) -> tuple[float, TreeCpu]:
+    """Runs `argv` with its output in `log`, sampling its CPU; returns (start epoch, sampler)."""
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        cpu = TreeCpu(proc.pid)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # `rlfabric up` stops its own processes on SIGTERM
+            proc.wait(timeout=120)
+            raise
+        finally:
+            cpu.stop()
+    if code != 0:
+        raise RuntimeError(f"{argv[1:4]} exited {code}; see {log}")
+    return start, cpu
+
+
+def run_rlfabric(task: Task, work: Path, *, engine: str, compile_: bool, timeout_s: float) -> dict[str, Any]:
+    """One `rlfabric up`, vLLM's OpenMP threads bound to core 0 (the learner runs one torch thread:
+    `rlfabric up` sets OMP_NUM_THREADS=1 for it, so it lands on the other core)."""
+    run_dir = work / "rlfabric"
+    run_dir.mkdir(parents=True)
+    run_file = run_dir / "run.json"
+    run_file.write_text(json.dumps(rlfabric_spec(task, "e2e")))
+    argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file), "--run-dir", str(run_dir)]
+    argv += ["--no-progress", "--engine", engine, *(["--compile"] if compile_ else [])]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    start, cpu = run_tree(argv, run_dir / "up.out", env, timeout_s)
+    end = time.time()
+    rows = [json.loads(line) for line in (run_dir / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    steps = [rlfabric_step(r) for r in rows]
+    return summarize(steps, task, start, end, cpu)
+
+
+def rlfabric_step(row: dict[str, Any]) -> dict[str, Any]:
+    """One learner row as a step record; the final checkpoint's write is left out of the step's end
+    (TRL's run saves nothing)."""
+    checkpoint = float(row.get("checkpoint_seconds", 0.0))
+    return {
+        "step": int(row["step"]),
+        "time": float(row["time"]) - checkpoint,
+        "reward": float(row["reward_mean"]),
+        "completion_length": float(row.get("response_length_mean", float("nan"))),
+        "samples": float(row["samples"]),
+        "train_s": float(row["step_seconds"]),
+        "publish_s": float(row.get("publish_seconds", 0.0)),
+        "busy_fraction_run": float(row.get("rollout_busy_fraction_run", float("nan"))),
+    }
+
+
+def run_trl(task: Task, work: Path, *, timeout_s: float) -> dict[str, Any]:
+    """One TRL GRPOTrainer run in its own process."""
+    run_dir = work / "trl"
+    run_dir.mkdir(parents=True)
+    config, out = run_dir / "config.json", run_dir / "steps.json"
+    config.write_text(json.dumps(asdict(task)))
+    argv = [sys.executable, str(BENCH_DIR / "_e2e_trl_worker.py"), str(config), str(out)]
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    start, cpu = run_tree(argv, run_dir / "trl.out", env, timeout_s)
+    end = time.time()
+    result = json.loads(out.read_text())
+    steps = [{**r, "samples": float(task.samples_per_step)} for r in result["rows"]]
+    return summarize(steps, task, start, end, cpu)
+
+
+def summarize(
+    steps: list[dict[str, Any]], task: Task, start: float, end: float, cpu: TreeCpu
+) -> dict[str, Any]:
+    """Figures of one run. Steady state: from the end of the first step to the end of the last, so
+    start-up (engine, model load) and the first step's warm-up are out of the throughput."""
+    if len(steps) != task.steps:
+        raise RuntimeError(f"expected {task.steps} steps, got {len(steps)}")
+    first, last = steps[0], steps[-1]
+    steady = steps[1:]
+    span = last["time"] - first["time"]
+    tail = steps[-max(1, len(steps) // 4) :]
+    return {
+        "samples_per_s": sum(s["samples"] for s in steady) / span if span > 0 else float("nan"),
+        "seconds_per_step": span / len(steady) if steady else float("nan"),
+        "samples_per_s_with_startup": sum(s["samples"] for s in steps) / (last["time"] - start),
+        "first_step_end_s": first["time"] - start,
+        "wall_s": end - start,
+        "reward_final": sum(s["reward"] for s in tail) / len(tail),
+        "reward_first": first["reward"],
+        "samples_trained": sum(s["samples"] for s in steps),
+        "cores_used_steady": cpu.cores_between(first["time"], last["time"]),
+        "cpu_s_per_sample": (cpu.at(last["time"]) - cpu.at(first["time"]))
+        / max(sum(s["samples"] for s in steady), 1.0),
+        "split": split(steady),
+        "steps": steps,
+    }
+
+
+def split(steady: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step in each phase a system reports (keys ending in `_s`), plus rlfabric's
+    replica busy fraction at the end of the run."""
+    keys = sorted({k for s in steady for k in s if k.endswith("_s")})
+    out = {k: sum(s.get(k, 0.0) for s in steady) / len(steady) for k in keys} if steady else {}
+    if steady and "busy_fraction_run" in steady[-1]:
+        out["replica_busy_fraction"] = steady[-1]["busy_fraction_run"]
+    return out

@@ -1,0 +1,257 @@
+"""End-to-end GRPO: rlfabric (`rlfabric up`, every service a real process) against TRL's GRPOTrainer.
+
+    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--no-compile] [--quick] [--output-dir bench/results]
+
+Both systems train the same locally made model (`bench` preset, 24M parameters, float32; `tiny` in
+quick mode) on the same prompts (the demo's 72 plain-text instructions to write the letter x) with the
+same TRL-signature reward function (`rlfabric.coordinator.demo:letter_reward`) and the same
+hyperparameters: group size, prompts per step, max completion tokens, lr (constant), KL coefficient
+(k3, in the loss), token-mean loss, std-scaled group advantages, gradient clip 1.0, micro-batch size,
+steps. TRL needs the `bench` extra (`pip install -e .[bench]`).
+
+How each one runs on the machine's two cores:
+
+- rlfabric: redis-server, the reward service, one vLLM replica (OpenMP threads bound to core 0,
+  compiled unless --no-compile), the learner (one torch thread) and the coordinator; generation of the
+  next step overlaps training (`max_staleness` 1);
+- TRL: one process, torch on both cores, `transformers.generate` then the training step, in turn
+  (TRL's default; its vLLM modes need a CUDA device).
+
+Each repeat runs both, interleaved (rlfabric first in even repeats). Measured per run:
+
+- samples trained per second in the steady state (end of step 1 to end of the last step), and with
+  start-up included (process start to the end of the last step);
+- reward after the same number of samples: the mean training reward of the last quarter of the steps;
+- where the time goes: TRL's generate / prepare (reward, reference log-probs) / train seconds per step
+  (timers around its own methods); rlfabric's learner train and publish seconds per step and the
+  replica's busy fraction (share of the run it had work in flight: generation overlaps training);
+- cores each system got (CPU seconds of its whole process tree per second): on a shared machine the
+  wall-clock ratio is only as fair as this column is even.
+
+Goal (issue 9): rlfabric >= 1.3x TRL's samples/s at equal or better reward. `--quick` proves the code
+path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from _e2e_systems import Task, run_rlfabric, run_trl
+from common import (
+    Bar,
+    Stats,
+    bar_plot,
+    base_parser,
+    effective_repeats,
+    fmt,
+    machine_info,
+    machine_line,
+    markdown_table,
+    write_results,
+)
+
+NAME = "e2e_trl"
+GOAL = 1.3
+SYSTEMS = ("rlfabric", "trl")
+HEADERS = [
+    "system", "samples/s (steady)", "min..max", "samples/s (with start-up)", "s / step", "reward (last 1/4)",
+    "min..max", "first step ends (s)", "cores used", "CPU s / sample",
+]  # fmt: skip
+
+
+def prepare(work: Path, args: Any) -> Task:
+    """The model and prompts both systems train on, made here (nothing is downloaded)."""
+    from rlfabric.common.tiny_model import PRESETS, save_tiny_model
+    from rlfabric.coordinator.demo import write_dataset
+
+    preset = "tiny" if args.quick else "bench"
+    model = save_tiny_model(PRESETS[preset], work / f"model-{preset}")
+    prompts = work / "prompts.jsonl"
+    write_dataset(prompts)
+    if args.quick:
+        return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
+                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8)  # fmt: skip
+    return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
+                prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
+                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size)  # fmt: skip
+
+
+def measure(task: Task, repeats: int, work: Path, args: Any) -> dict[str, list[dict[str, Any]]]:
+    engine = "transformers" if args.quick else "vllm"
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    for k in range(repeats):
+        for system in SYSTEMS if k % 2 == 0 else reversed(SYSTEMS):
+            print(f"repeat {k + 1}/{repeats}: {system} ...", flush=True)
+            where = work / f"r{k}"
+            if system == "rlfabric":
+                run = run_rlfabric(task, where, engine=engine, compile_=args.compile, timeout_s=args.timeout)
+            else:
+                run = run_trl(task, where, timeout_s=args.timeout)
+            results[system].append(run)
+            brief = {k: v for k, v in run.items() if k != "steps"}
+            print(f"  {brief}", flush=True)
+    return results
+
+
+def stats(runs: list[dict[str, Any]], key: str, unit: str = "") -> Stats:
+    return Stats.of([float(r[key]) for r in runs], unit)
+
+
+def comparison(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """rlfabric / TRL: throughput (ratio of medians and median of per-repeat ratios), reward, goal."""
+    ours, trl = results["rlfabric"], results["trl"]
+    per_repeat = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, trl, strict=True)]
+    ratio = stats(ours, "samples_per_s").median / stats(trl, "samples_per_s").median
+    reward_ours, reward_trl = stats(ours, "reward_final"), stats(trl, "reward_final")
+    reward_ok = reward_ours.median >= reward_trl.min  # within or above TRL's own spread
+    return {
+        "throughput_ratio": ratio,
+        "throughput_ratio_per_repeat": Stats.of(per_repeat, "x").to_dict(),
+        "throughput_ratio_with_startup": stats(ours, "samples_per_s_with_startup").median
+        / stats(trl, "samples_per_s_with_startup").median,
+        "reward_difference": reward_ours.median - reward_trl.median,
+        "reward_equal_or_better": reward_ok,
+        "goal_met": ratio >= GOAL and reward_ok,
+    }
+
+
+def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    rows = []
+    for system, runs in results.items():
+        sps, reward = stats(runs, "samples_per_s"), stats(runs, "reward_final")
+        rows.append([
+            system, fmt(sps.median), sps.spread(), fmt(stats(runs, "samples_per_s_with_startup").median),
+            fmt(stats(runs, "seconds_per_step").median), f"{reward.median:.3f}",
+            f"{reward.min:.3f}..{reward.max:.3f}", fmt(stats(runs, "first_step_end_s").median),
+            fmt(stats(runs, "cores_used_steady").median), fmt(stats(runs, "cpu_s_per_sample").median),
+        ])  # fmt: skip
+    return rows
+
+
+def split_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Where the time of a steady step goes, median over the repeats."""
+
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r["split"].get(key, float("nan")) for r in runs)
+
+    ours, trl = results["rlfabric"], results["trl"]
+    s_ours, s_trl = stats(ours, "seconds_per_step").median, stats(trl, "seconds_per_step").median
+    gen, prep, train = med(trl, "generate_s"), med(trl, "prepare_s"), med(trl, "train_s")
+    busy = med(ours, "replica_busy_fraction")
+    l_train, l_pub = med(ours, "train_s"), med(ours, "publish_s")
+    return [
+        f"- TRL, {fmt(s_trl)} s per step: generate {fmt(gen)} s ({fmt(100 * gen / s_trl)} %), prepare "
+        f"(reward, reference log-probs) {fmt(prep)} s, train {fmt(train)} s ({fmt(100 * train / s_trl)} %), "
+        "one after another.",
+        f"- rlfabric, {fmt(s_ours)} s per step: learner train {fmt(l_train)} s "
+        f"({fmt(100 * l_train / s_ours)} %), publish {fmt(l_pub)} s, waiting for groups "
+        f"{fmt(max(s_ours - l_train - l_pub, 0.0))} s; the replica was busy {fmt(100 * busy)} % of the run "
+        f"(~{fmt(busy * s_ours)} s of generation per step, overlapping training).",
+    ]
+
+
+def report(
+    results: dict[str, list[dict[str, Any]]],
+    task: Task,
+    cmp: dict[str, Any],
+    args: Any,
+    machine: dict[str, Any],
+) -> str:
+    per_repeat = cmp["throughput_ratio_per_repeat"]
+    verdict = "met" if cmp["goal_met"] else "missed"
+    lines = [
+        f"## {NAME}",
+        "",
+        f"GRPO end to end, {task.steps} steps x {task.prompts_per_step} prompts x {task.group_size} samples, "
+        f"max {task.max_tokens} completion tokens, lr {task.lr:g}, KL {task.kl_coef:g}, micro-batch "
+        f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
+        f"{len(results['trl'])} repeat(s) per system, interleaved; rlfabric vLLM "
+        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}.",
+        "",
+        markdown_table(HEADERS, table_rows(results)),
+        "",
+        f"rlfabric / TRL samples/s: **{fmt(cmp['throughput_ratio'])}** (median of per-repeat ratios "
+        f"{fmt(per_repeat['median'])}, {fmt(per_repeat['min'])}..{fmt(per_repeat['max'])}; with start-up "
+        f"{fmt(cmp['throughput_ratio_with_startup'])}). Reward, rlfabric - TRL: "
+        f"{cmp['reward_difference']:+.3f} ({'equal or better' if cmp['reward_equal_or_better'] else 'worse'}:"
+        " rlfabric's median against the lowest TRL repeat). "
+        f"Goal >= {GOAL}x at equal or better reward: {verdict}"
+        f"{' (quick mode: figures mean nothing)' if args.quick else ''}.",
+        "",
+        "Where a steady step's time goes (medians):",
+        "",
+        *split_lines(results),
+        "",
+        f"Machine: {machine_line(machine)}; load at the end {machine_info()['load_avg_1m']:.2f}.",
+        "",
+        f"Command: `python bench/e2e_trl.py {' '.join(sys.argv[1:])}`".rstrip() + ".",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], output_dir: Path, task: Task) -> None:
+    def bars(key: str, unit: str) -> list[Bar]:
+        return [Bar(system, stats(runs, key, unit)) for system, runs in results.items()]
+
+    bar_plot(
+        output_dir / f"{NAME}.png",
+        [
+            ("throughput (steady)", "samples trained / s", bars("samples_per_s", "samples/s")),
+            ("reward after equal samples", "mean reward, last 1/4 of steps", bars("reward_final", "")),
+            ("cores used", "CPU s / s", bars("cores_used_steady", "cores")),
+        ],
+        title=f"GRPO end to end: rlfabric vs TRL GRPOTrainer ({task.steps} steps x {task.samples_per_step})",
+    )
+
+
+def parse_args() -> Any:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.set_defaults(repeats=3)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="max completion tokens (default 128)")
+    parser.add_argument("--lr", type=float, default=5e-3, help="learning rate, constant (default 5e-3)")
+    parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager vLLM")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    started, machine = time.time(), machine_info()
+    work = Path(tempfile.mkdtemp(prefix="e2e-trl-"))
+    task = prepare(work, args)
+    results = measure(task, effective_repeats(args), work, args)  # on failure `work` keeps the logs
+    shutil.rmtree(work, ignore_errors=True)
+    cmp = comparison(results)
+    markdown = report(results, task, cmp, args, machine)
+    payload = {
+        "quick": args.quick,
+        "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
+        "preset": "tiny" if args.quick else "bench",
+        "vllm_compiled": bool(args.compile and not args.quick),
+        "goal": GOAL,
+        "comparison": cmp,
+        "runs": results,
+        "machine": machine,
+        "load_avg_1m_end": machine_info()["load_avg_1m"],
+        "bench_wall_s": time.time() - started,
+    }
+    write_results(args.output_dir, NAME, payload, markdown)
+    plot(results, args.output_dir, task)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
