@@ -5,7 +5,9 @@
     ledger.raise_for_violations()                     # or `check(...)`, which does all three
 
 What the services record (the Guarantees of the design brief turned into data):
-- coordinator: `prompts_dispatched` in `rlfabric:{run}:counters`; groups still in flight in the hash
+- coordinator: its dataset position in `:cursor` (prompts taken), advanced in the same script that records
+  the prompt in flight and counts it in `prompts_dispatched` (`rlfabric:{run}:counters`); groups still in
+  flight in the hash
   `:inflight`; group ids enqueued (once each, by a Lua script) in the set `:enqueued`; groups it dropped,
   with a reason (scorer_error, zero_variance, ...), in the stream `:dropped`;
 - the stream `:groups` (consumer group "learner") with one entry per enqueued group, its pending entries
@@ -17,9 +19,9 @@ What the services record (the Guarantees of the design brief turned into data):
 Each dispatched group must end in exactly one outcome: `trained` (once, in the checkpoint's lineage),
 `dropped:<reason>`, `dead_lettered:<reason>`, or `in_flight` (drawn but not enqueued, enqueued but not
 yet delivered, or delivered and not yet acknowledged). Violations: a group with no outcome or two,
-a group trained twice, an acknowledged entry that was neither trained nor dropped (lost), a trained
-group that was never enqueued, counters that disagree with the sets, policy versions that go backwards
-or were never published.
+a group trained twice, an acknowledged entry that was neither trained nor dropped (lost), a prompt taken
+from the cursor but never recorded (lost), a trained group that was never enqueued, counters that disagree
+with the sets, policy versions that go backwards or were never published.
 
 Reads the learner's checkpoint folder directly (`step-NNNNNN/` with `COMPLETE` and `meta.json`, see
 `rlfabric.learner.checkpoint`) so that this module, like the coordinator, imports without torch.
@@ -66,6 +68,8 @@ class Books:
 
     run_id: str
     counters: dict[str, int]
+    cursor: int
+    """Prompts taken from the dataset (`:cursor`); each must have been counted as dispatched."""
     in_flight: set[str]
     enqueued: set[str]
     dropped: list[dict[str, str]]
@@ -73,7 +77,8 @@ class Books:
     entries: list[StreamEntry]
     dead: list[dict[str, str]]
     metric_versions: list[int]
-    """The policy_version of each learner metrics row, in the order written (across restarts)."""
+    """The policy_version of each learner metrics row, in the order written (across restarts); a row
+    written twice (identical, time included: a command retried after its reply was lost) counts once."""
     applied_log: list[tuple[int, str]] | None
     """[(step, group_id)] from the newest complete checkpoint; None when there is no checkpoint."""
     applied_set: list[str] | None
@@ -150,14 +155,17 @@ def read_books(
     return Books(
         run_id=run_id,
         counters={_text(k): int(v) for k, v in redis.hgetall(f"{base}:counters").items()},
+        cursor=int(_text(redis.get(f"{base}:cursor") or 0)),
         in_flight={_text(k) for k in redis.hkeys(f"{base}:inflight")},
         enqueued={_text(m) for m in redis.smembers(f"{base}:enqueued")},
         dropped=[_fields(f) for _, f in redis.xrange(f"{base}:dropped")],
         entries=_stream_entries(redis, run_id),
         dead=[_fields(f) for _, f in redis.xrange(dead_letter_key(run_id))],
         metric_versions=[
-            int(json.loads(_text(f.get(b"row", f.get("row"))))["policy_version"])
-            for _, f in redis.xrange(f"{base}:metrics")
+            int(json.loads(row)["policy_version"])
+            for row in dict.fromkeys(
+                _text(f.get(b"row", f.get("row"))) for _, f in redis.xrange(f"{base}:metrics")
+            )
         ],
         applied_log=checkpoint[1] if checkpoint else None,
         applied_set=checkpoint[2] if checkpoint else None,
@@ -281,6 +289,11 @@ def _entry_outcome(
 def _check_counters(books: Books, violations: list[str]) -> None:
     drops = [(g, reason) for g, reason in _unique_drops(books.dropped) if reason != "stale"]
     dispatched = books.counters.get("prompts_dispatched", 0)
+    if books.cursor != dispatched:
+        violations.append(
+            f"the cursor took {books.cursor} prompts but prompts_dispatched={dispatched}"
+            " (a prompt taken and never recorded is lost)"
+        )
     known = len(books.enqueued) + len(drops) + len(books.in_flight)
     if dispatched != known:
         violations.append(

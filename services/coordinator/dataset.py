@@ -130,16 +130,21 @@ class Draw:
 
 
 class PromptCursor:
-    """The seeded walk over the training rows, its position in Redis."""
+    """The seeded walk over the training rows, its position (prompts taken so far) in Redis. The pipeline
+    advances the position in the same script that records the prompt in flight (`pipeline.DRAW_AT`)."""
 
     def __init__(self, redis: Any, run_id: str, rows: list[PromptRow], spec: DatasetSpec) -> None:
         self.redis, self.rows, self.spec = redis, rows, spec
         self.key = f"rlfabric:{run_id}:cursor"
         self._orders: dict[int, list[int]] = {}
 
-    async def take(self) -> Draw | None:
-        """The next prompt (the position advances atomically), or None after the last epoch."""
-        taken = int(await self.redis.incr(self.key)) - 1
+    async def next(self) -> tuple[int, Draw | None]:
+        """The position and the prompt there (None after the last epoch); takes nothing."""
+        taken = await self.taken()
+        return taken, self.at(taken)
+
+    def at(self, taken: int) -> Draw | None:
+        """The prompt at position `taken` of the walk, or None past the last epoch."""
         epoch, position = divmod(taken, len(self.rows))
         if epoch >= self.spec.epochs:
             return None

@@ -36,7 +36,7 @@ from rlfabric.common.streams import (
     groups_key,
     undelivered,
 )
-from rlfabric.coordinator.dataset import Draw, PromptCursor, PromptRow, load_rows, split
+from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
 from rlfabric.coordinator.runs import scaling_key
 from rlfabric.coordinator.scaling import (
     BusyMeter,
@@ -55,7 +55,10 @@ log = logging.getLogger(__name__)
 REPLICA_BACKOFF_S = 5.0
 GENERATE_TIMEOUT_S = 600.0
 
-# KEYS: stream, enqueued-set, inflight-hash; ARGV: group_id, data. Enqueue once per group id.
+# Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
+# between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
+# off by one.
+# KEYS: stream, enqueued-set, inflight-hash, counters; ARGV: group_id, data. Enqueue once per group id.
 ENQUEUE_ONCE = """
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
   redis.call('HDEL', KEYS[3], ARGV[1])
@@ -63,6 +66,36 @@ if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
 end
 redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'group_id', ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'groups_queued', 1)
+return 1
+"""
+
+# KEYS: dropped stream, dropped-id set, inflight-hash, counters; ARGV: group_id, prompt_id, reason, detail.
+DROP_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'prompt_id', ARGV[2], 'reason', ARGV[3],
+             'detail', ARGV[4])
+  redis.call('HINCRBY', KEYS[4], 'dropped_' .. ARGV[3], 1)
+end
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: cursor, inflight-hash, counters; ARGV: position, group_id, in-flight record. Takes the prompt at
+# `position` and records it in flight; a retry whose first call ran finds its own record and succeeds.
+# 0: the cursor is elsewhere (read it again).
+DRAW_AT = """
+local taken = tonumber(redis.call('GET', KEYS[1]) or '0')
+local position = tonumber(ARGV[1])
+if taken == position + 1 and redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
+  return 1
+end
+if taken ~= position then
+  return 0
+end
+redis.call('SET', KEYS[1], position + 1)
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'prompts_dispatched', 1)
 return 1
 """
 
@@ -88,6 +121,7 @@ class Keys:
     def __init__(self, run_id: str) -> None:
         base = f"rlfabric:{run_id}"
         self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
+        self.dropped_ids = f"{base}:dropped_ids"
         self.counters, self.step = f"{base}:counters", f"{base}:step"
         self.eval, self.groups = f"{base}:eval", groups_key(run_id)
         self.scaling = scaling_key(run_id)
@@ -216,6 +250,8 @@ class RunPipeline:
         self.max_stream_length = max_stream_length
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
+        self.drop_once = redis.register_script(DROP_ONCE)
+        self.draw_at = redis.register_script(DRAW_AT)
         self.rows: dict[str, PromptRow] = {}
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -224,12 +260,10 @@ class RunPipeline:
         await self.redis.hincrby(self.keys.counters, counter, n)
 
     async def drop(self, item: InFlight, reason: str, detail: str = "") -> None:
-        await self.redis.xadd(
-            self.keys.dropped,
-            {"group_id": item.group_id, "prompt_id": item.prompt_id, "reason": reason, "detail": detail},
+        await self.drop_once(
+            keys=[self.keys.dropped, self.keys.dropped_ids, self.keys.inflight, self.keys.counters],
+            args=[item.group_id, item.prompt_id, reason, detail],
         )
-        await self.redis.hdel(self.keys.inflight, item.group_id)
-        await self.count(f"dropped_{reason}")
 
     async def learner_step(self) -> int:
         return int(await self.redis.get(self.keys.step) or 0)
@@ -313,13 +347,16 @@ class RunPipeline:
         return sorted(items, key=lambda i: (i.epoch, i.position))
 
     async def draw(self, cursor: PromptCursor) -> InFlight | None:
-        draw: Draw | None = await cursor.take()
-        if draw is None:
-            return None
-        item = InFlight(f"{draw.row.prompt_id}:e{draw.epoch}", draw.row.prompt_id, draw.epoch, draw.position)
-        await self.redis.hset(self.keys.inflight, item.group_id, json.dumps(asdict(item)))
-        await self.count("prompts_dispatched")
-        return item
+        """The cursor's next prompt, taken and recorded in flight in one script (DRAW_AT)."""
+        while True:
+            taken, draw = await cursor.next()
+            if draw is None:
+                return None
+            prompt_id = draw.row.prompt_id
+            item = InFlight(f"{prompt_id}:e{draw.epoch}", prompt_id, draw.epoch, draw.position)
+            keys = [cursor.key, self.keys.inflight, self.keys.counters]
+            if await self.draw_at(keys=keys, args=[taken, item.group_id, json.dumps(asdict(item))]):
+                return item
 
     # --- one group --------------------------------------------------------------------------------
 
@@ -402,12 +439,10 @@ class RunPipeline:
             return
         group = self.build_group(item, samples, scores)
         await self.wait_for_room()
-        added = await self.enqueue_once(
-            keys=[self.keys.groups, self.keys.enqueued, self.keys.inflight],
+        await self.enqueue_once(
+            keys=[self.keys.groups, self.keys.enqueued, self.keys.inflight, self.keys.counters],
             args=[item.group_id, group.SerializeToString()],
         )
-        if added:
-            await self.count("groups_queued")
 
     def build_group(
         self, item: InFlight, samples: list[rollout_pb2.GeneratedSample], scores: list[ItemResult]

@@ -28,6 +28,7 @@ class Run:
         self.redis.xgroup_create(groups_key(RUN), CONSUMER_GROUP, id="0", mkstream=True)
 
     def dispatch(self, group_id: str) -> None:
+        self.redis.incr(f"{BASE}:cursor")
         self.redis.hset(f"{BASE}:inflight", group_id, "{}")
         self.redis.hincrby(f"{BASE}:counters", "prompts_dispatched", 1)
 
@@ -57,7 +58,8 @@ class Run:
 
     def train(self, step: int, *group_ids: str, version: int) -> None:
         self.applied += [[step, g] for g in group_ids]
-        self.redis.xadd(f"{BASE}:metrics", {"row": json.dumps({"step": step, "policy_version": version})})
+        row = {"step": step, "policy_version": version, "time": 1000.0 + step}
+        self.redis.xadd(f"{BASE}:metrics", {"row": json.dumps(row)})
         self.checkpoint(step)
         self.ack(*group_ids)
 
@@ -178,8 +180,20 @@ def test_a_stale_group_that_was_also_trained_fails(run: Run) -> None:
 
 
 def test_versions_going_backwards_fail(run: Run) -> None:
-    run.redis.xadd(f"{BASE}:metrics", {"row": json.dumps({"step": 1, "policy_version": 1})})
+    row = {"step": 1, "policy_version": 1, "time": 2000.0}  # another row (its own time) of version 1
+    run.redis.xadd(f"{BASE}:metrics", {"row": json.dumps(row)})
     assert any("not increasing" in v for v in run.violations())
+
+
+def test_a_metrics_row_written_twice_counts_once(run: Run) -> None:
+    [(_, fields)] = run.redis.xrevrange(f"{BASE}:metrics", count=1)
+    run.redis.xadd(f"{BASE}:metrics", fields)  # a retried XADD: the identical row, time included
+    assert run.violations() == []
+
+
+def test_a_prompt_taken_but_never_recorded_fails(run: Run) -> None:
+    run.redis.incr(f"{BASE}:cursor")  # the position moved, no in-flight record, no count: the prompt is lost
+    assert "the cursor took 10 prompts but prompts_dispatched=9" in " ".join(run.violations())
 
 
 def test_a_sample_of_an_unpublished_version_fails(run: Run) -> None:
