@@ -20,6 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from rlfabric.common.errors import InvalidArgument, ResourceExhausted
+from rlfabric.reward.pool import KILL_SLACK_S
 from rlfabric.reward.scorers import InvalidScorerSpec, ScoreInput, describe_scorers
 from rlfabric.reward.service import RewardEngine, ScoredBatch, ScorerSpec
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -31,6 +32,10 @@ STATUS = {
 }
 # Used when the client sets no deadline: a batch may not hold the server forever.
 DEFAULT_BATCH_TIMEOUT_S = 300.0
+# Kept back from the caller's deadline: a stuck worker is killed up to KILL_SLACK_S after the batch's
+# timeout, and the TIMEOUT results must still reach the caller before its deadline (past it the caller
+# sees DEADLINE_EXCEEDED and learns nothing about which items timed out).
+REPLY_MARGIN_S = KILL_SLACK_S + 0.5
 # Distinct scorer specs whose conversion is remembered (a training run sends one spec, over and over).
 SPEC_CACHE_SIZE = 256
 
@@ -49,7 +54,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         spec = self.specs.get(request.scorer)
         items = [item_from_proto(i, item) for i, item in enumerate(request.items)]
         remaining = context.time_remaining()
-        timeout = DEFAULT_BATCH_TIMEOUT_S if remaining is None else max(remaining - 0.05, 0.001)
+        timeout = DEFAULT_BATCH_TIMEOUT_S if remaining is None else batch_timeout(remaining)
         try:
             scored = await self.engine.score(
                 spec, items, timeout_s=timeout, item_timeout_s=request.item_timeout_seconds or None
@@ -78,6 +83,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise ResourceExhausted(
                     f"items[{i}]: {size} bytes exceed the per-item limit of {self.max_item_bytes}"
                 )
+
+
+def batch_timeout(remaining_s: float) -> float:
+    """The scoring budget of a call with `remaining_s` before its deadline: the deadline less the reply
+    margin, and never less than half of what is left."""
+    return max(remaining_s - REPLY_MARGIN_S, remaining_s / 2, 0.001)
 
 
 class SpecCache:

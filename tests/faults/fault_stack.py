@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -230,6 +231,27 @@ class Stack:
         assert self.client is not None
         weights = str(self.run_dir / "weights")
         return ledger.check(self.client, self.spec.name, self.run_dir / "checkpoints", weights_root=weights)
+
+    def assert_every_step_trained(self) -> None:
+        """Each of the run's steps, in the newest checkpoint's lineage, trained between one group and
+        groups_per_step (a step takes what arrived in time: fewer when groups are dropped or slow)."""
+        found = ledger.read_checkpoint(self.run_dir / "checkpoints")
+        assert found is not None, "no complete checkpoint"
+        per_step = Counter(step for step, _ in found[1])
+        assert sorted(per_step) == list(range(1, self.spec.train.steps + 1)), per_step
+        assert all(1 <= n <= self.spec.train.groups_per_step for n in per_step.values()), per_step
+
+    def last_metrics(self) -> dict[str, Any]:
+        """The learner's newest metrics row (from the run's Redis metrics stream)."""
+        assert self.client is not None
+        [(_, fields)] = self.client.xrevrange(f"rlfabric:{self.spec.name}:metrics", count=1)
+        return dict(json.loads(fields[b"row"]))
+
+    def drops(self) -> list[dict[str, str]]:
+        """The records of `rlfabric:{run}:dropped` (group_id, reason, detail ...), in order."""
+        assert self.client is not None
+        raw = self.client.xrange(f"rlfabric:{self.spec.name}:dropped")
+        return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in raw]
 
     def tails(self) -> str:
         return "\n".join(f"--- {n}\n" + "\n".join(list(p.tail)[-15:]) for n, p in self.procs.items())
