@@ -1,6 +1,6 @@
 """End-to-end GRPO: rlfabric (`rlfabric up`, every service a real process) against TRL's GRPOTrainer.
 
-    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--no-compile] [--quick] [--output-dir bench/results]
+    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--compile] [--quick] [--output-dir bench/results]
 
 Both systems train the same locally made model (`bench` preset, 24M parameters, float32; `tiny` in
 quick mode) on the same prompts (the demo's 72 plain-text instructions to write the letter x) with the
@@ -12,7 +12,7 @@ steps. TRL needs the `bench` extra (`pip install -e .[bench]`).
 How each one runs on the machine's two cores:
 
 - rlfabric: redis-server, the reward service, one vLLM replica (OpenMP threads bound to core 0,
-  compiled unless --no-compile), the learner (one torch thread) and the coordinator; generation of the
+  eager unless --compile), the learner (one torch thread) and the coordinator; generation of the
   next step overlaps training (`max_staleness` 1);
 - TRL: one process, torch on both cores, `transformers.generate` then the training step, in turn
   (TRL's default; its vLLM modes need a CUDA device).
@@ -221,7 +221,7 @@ def parse_args() -> Any:
     parser.add_argument("--lr", type=float, default=5e-3, help="learning rate, constant (default 5e-3)")
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager vLLM")
+    parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     return parser.parse_args()
 

@@ -93,3 +93,20 @@ def test_rollout_busy_bench_quick(tmp_path: Path) -> None:
         assert 0 < run["busy_fraction"] <= 1
         assert run["steps"] == 2 and run["dropped_stale"] == 0
     assert isinstance(result["goal_met"], bool)
+
+
+def test_e2e_trl_bench_quick(tmp_path: Path) -> None:
+    """rlfabric up and TRL's GRPOTrainer on the same tiny task. TRL comes with the `bench` extra, which
+    CI installs (scripts/bootstrap.sh): a missing TRL fails here rather than skipping."""
+    result = run_quick("e2e_trl", tmp_path, timeout=900)
+    assert result["quick"] is True and result["preset"] == "tiny"
+    task = result["task"]
+    for system in ("rlfabric", "trl"):
+        (run,) = result["runs"][system]
+        assert len(run["steps"]) == task["steps"] == 2
+        assert run["samples_trained"] == task["steps"] * task["group_size"] * task["prompts_per_step"]
+        assert run["samples_per_s"] > 0 and 0 <= run["reward_final"] <= 1
+        assert run["cores_used_steady"] >= 0  # sampled once a second: a short step may fall between
+    assert set(result["runs"]["trl"][0]["split"]) == {"generate_s", "prepare_s", "train_s"}
+    assert {"train_s", "publish_s", "replica_busy_fraction"} <= set(result["runs"]["rlfabric"][0]["split"])
+    assert result["comparison"]["throughput_ratio"] > 0 and isinstance(result["comparison"]["goal_met"], bool)
