@@ -111,12 +111,12 @@ class CoordinatorUser(HttpUser):
 
     @task(1)
     def malformed(self) -> None:
-        self.expect("POST", "/v1/runs", 422, "422 malformed", content=b"{nope", headers=self.auth)
+        self.expect("POST", "/v1/runs", 422, "422 malformed", data=b"{nope", headers=self.auth)
 
     @task(1)
     def oversized(self) -> None:
         body = json.dumps({**SPEC, "name": "x" * (2 << 20)})
-        self.expect("POST", "/v1/runs", 413, "413 oversized", content=body, headers=self.auth)
+        self.expect("POST", "/v1/runs", 413, "413 oversized", data=body, headers=self.auth)
 
 
 @events.quitting.add_listener
@@ -124,10 +124,14 @@ def summary(environment: Environment, **_: Any) -> None:
     total = environment.stats.total
     if not total.num_requests:
         return
+    # A task that raised made no request locust could count: it is an error of the run all the same.
+    raised = sum(e["count"] for e in environment.runner.exceptions.values()) if environment.runner else 0
+    errors = total.num_failures + raised
     print(
         f"coordinator loadtest: {total.num_requests} requests, {total.total_rps:.1f} req/s, "
         f"p50 {total.get_response_time_percentile(0.5):.0f} ms, "
         f"p99 {total.get_response_time_percentile(0.99):.0f} ms, "
-        f"errors {total.num_failures} ({100 * total.fail_ratio:.2f} %)",
+        f"errors {errors} ({100 * errors / (total.num_requests + raised):.2f} %: "
+        f"{total.num_failures} failed requests, {raised} tasks raised)",
         flush=True,
     )

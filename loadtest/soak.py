@@ -68,6 +68,7 @@ def main() -> int:
     pids: dict[str, int] = {}
     url, started = "", time.monotonic()
     samples: list[dict[str, Any]] = []
+    stop_sent = False
     with (args.out / "memory.csv").open("w", newline="") as f:
         memory = csv.writer(f)
         memory.writerow(["seconds", "process", "rss_mib"])
@@ -81,8 +82,10 @@ def main() -> int:
                 if m := re.search(r"page: (http://\S+)/runs/", line):
                     url = m[1]
             elapsed = time.monotonic() - started
-            if elapsed > args.max_seconds:
+            if elapsed > args.max_seconds and not stop_sent:
+                # Once: `up` stops the run, then every process; a second SIGTERM would interrupt that.
                 up.send_signal(signal.SIGTERM)
+                stop_sent = True
             if time.monotonic() >= next_sample:
                 next_sample += args.interval
                 for name, pid in pids.items():
@@ -94,6 +97,7 @@ def main() -> int:
     log.write(up.stdout.read() or "")
     log.close()
     summary = summarize(args.out, samples, time.monotonic() - started, up.returncode)
+    summary["stopped_at_time_limit"] = stop_sent
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return 0 if up.returncode == 0 else 1
