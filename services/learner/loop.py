@@ -131,26 +131,37 @@ class Counters:
 
 
 class StepSource:
-    """Rank 0's reader: fresh groups for one step, stale ones dropped (recorded in Redis, acked)."""
+    """Rank 0's reader: exactly `groups_per_step` fresh groups per step (stale ones are dropped, recorded
+    and acked), so that a step is the batch the run asked for and the coordinator's lag bound, which
+    counts in whole steps, holds. Groups read while a step is not full yet wait in `ready`."""
 
     def __init__(self, consumer: GroupConsumer, redis: Any, run_id: str, max_staleness: int) -> None:
         self.consumer, self.redis, self.run_id, self.max_staleness = consumer, redis, run_id, max_staleness
         self.counters = Counters()
+        self.ready: list[Delivery] = []
 
     async def collect(self, count: int, version: int, *, timeout_s: float) -> list[Delivery]:
-        """Up to `count` trainable deliveries generated at most max_staleness versions ago."""
-        fresh: list[Delivery] = []
+        """`count` trainable deliveries generated at most max_staleness versions before `version`, or []
+        when that many did not arrive within `timeout_s` (those that did wait for the next call)."""
         deadline = time.monotonic() + timeout_s
-        while len(fresh) < count and time.monotonic() < deadline:
-            for delivery in await self.consumer.read(count - len(fresh), block_ms=500):
+        while len(self.ready) < count and time.monotonic() < deadline:
+            for delivery in await self.consumer.read(count - len(self.ready), block_ms=500):
                 assert delivery.group is not None
                 lag = version - delivery.group.policy_version
                 if lag > self.max_staleness:
                     await self.drop_stale(delivery, lag)
                 else:
                     self.counters.staleness.append(lag)
-                    fresh.append(delivery)
-        return fresh
+                    self.ready.append(delivery)
+        if len(self.ready) < count:
+            return []
+        batch, self.ready = self.ready[:count], self.ready[count:]
+        return batch
+
+    def take_rest(self) -> list[Delivery]:
+        """The groups read for a step that will never fill (the run ended): the last, smaller step."""
+        rest, self.ready = self.ready, []
+        return rest
 
     async def drop_stale(self, delivery: Delivery, lag: int) -> None:
         assert delivery.group is not None

@@ -128,10 +128,15 @@ class Learner:
             return None
         self.set_state(learner_pb2.LEARNER_STATE_WAITING)
         deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
-        if deliveries:
-            failpoints.hit("learner.after_read")
-        elif await self.stop_reason() is not None:
-            return None  # the run was stopped (or its prompts ran out) and nothing is left to train
+        if not deliveries:
+            reason = await self.stop_reason()
+            if reason is None:
+                return []  # the step is not full yet: wait on
+            # the run was stopped or its prompts ran out: train what was read, then stop
+            deliveries = [] if reason == "health" else self.source.take_rest()
+            if not deliveries:
+                return None
+        failpoints.hit("learner.after_read")
         return deliveries
 
     async def stop_reason(self) -> str | None:

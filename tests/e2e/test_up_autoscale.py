@@ -11,21 +11,19 @@ for vLLM replicas.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
 from rlfabric.common import ledger
-from rlfabric.common.procs import ServiceProcess
 from rlfabric.common.streams import groups_key
 from rlfabric.v1 import queue_pb2
 
-STEPS = 14
+STEPS = 24
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +40,9 @@ def scaled_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str
 
 
 @pytest.fixture(scope="module")
-def books(scaled_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+def books(scaled_run: Path, reopen_aof: Callable[[Path], redis.Redis]) -> redis.Redis:
     """The run's Redis, reopened from its AOF after `up` stopped it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    proc = ServiceProcess(
-        "redis-audit",
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(scaled_run / "redis"),
-         "--appendonly", "yes", "--save", ""],
-        log_path=tmp_path_factory.mktemp("audit") / "redis.log",
-    )  # fmt: skip
-    proc.start(r"Ready to accept connections", timeout_s=30)
-    client = redis.Redis(port=port)
-    yield client
-    client.close()
-    proc.stop()
+    return reopen_aof(scaled_run)
 
 
 def test_up_added_a_replica_that_received_work(scaled_run: Path, books: redis.Redis) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
 from rlfabric.common import ledger
-from rlfabric.common.procs import ServiceProcess
 
 STEPS = 12
 
@@ -47,28 +46,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str])
 
 
 @pytest.fixture(scope="module")
-def books(demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+def books(demo_run: Path, reopen_aof: Callable[[Path], redis.Redis]) -> redis.Redis:
     """The run's Redis, reopened from its AOF after `up` stopped it."""
-    port = _free_port()
-    proc = ServiceProcess(
-        "redis-audit",
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(demo_run / "redis"),
-         "--appendonly", "yes", "--save", ""],
-        log_path=tmp_path_factory.mktemp("audit") / "redis.log",
-    )  # fmt: skip
-    proc.start(r"Ready to accept connections", timeout_s=30)
-    client = redis.Redis(port=port)
-    yield client
-    client.close()
-    proc.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reopen_aof(demo_run)
 
 
 def rows(demo_run: Path) -> list[dict[str, float]]:
