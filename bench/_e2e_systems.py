@@ -129,8 +129,8 @@ def run_tree(argv: list[str], log: Path, env: dict[str, str], timeout_s: float) 
         cpu = TreeCpu(proc.pid)
         try:
             code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # `rlfabric up` stops its own processes on SIGTERM
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM: stop the child, which stops its own
+            proc.terminate()  # (`rlfabric up` stops every process it started on SIGTERM)
             proc.wait(timeout=120)
             raise
         finally:

@@ -35,10 +35,12 @@ path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean n
 from __future__ import annotations
 
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -83,7 +85,11 @@ def prepare(work: Path, args: Any) -> Task:
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size)  # fmt: skip
 
 
-def measure(task: Task, repeats: int, work: Path, args: Any) -> dict[str, list[dict[str, Any]]]:
+def measure(
+    task: Task, repeats: int, work: Path, args: Any, save: Callable[[dict[str, list[dict[str, Any]]]], None]
+) -> dict[str, list[dict[str, Any]]]:
+    """Both systems per repeat, interleaved; `save` is called after every complete repeat, so an
+    interrupted run keeps the repeats it finished."""
     engine = "transformers" if args.quick else "vllm"
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for k in range(repeats):
@@ -97,6 +103,7 @@ def measure(task: Task, repeats: int, work: Path, args: Any) -> dict[str, list[d
             results[system].append(run)
             brief = {k: v for k, v in run.items() if k != "steps"}
             print(f"  {brief}", flush=True)
+        save(results)
     return results
 
 
@@ -228,11 +235,24 @@ def parse_args() -> Any:
 
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # unwinds into run_tree's cleanup
     started, machine = time.time(), machine_info()
     work = Path(tempfile.mkdtemp(prefix="e2e-trl-"))
     task = prepare(work, args)
-    results = measure(task, effective_repeats(args), work, args)  # on failure `work` keeps the logs
+
+    def save(results: dict[str, list[dict[str, Any]]]) -> None:
+        write_all(results, task, args, machine, started)
+
+    results = measure(task, effective_repeats(args), work, args, save)  # on failure `work` keeps the logs
     shutil.rmtree(work, ignore_errors=True)
+    print(write_all(results, task, args, machine, started))
+    return 0
+
+
+def write_all(
+    results: dict[str, list[dict[str, Any]]], task: Task, args: Any, machine: dict[str, Any], started: float
+) -> str:
+    """JSON, markdown and plot of the repeats so far; returns the markdown."""
     cmp = comparison(results)
     markdown = report(results, task, cmp, args, machine)
     payload = {
@@ -249,8 +269,7 @@ def main() -> int:
     }
     write_results(args.output_dir, NAME, payload, markdown)
     plot(results, args.output_dir, task)
-    print(markdown)
-    return 0
+    return markdown
 
 
 if __name__ == "__main__":
