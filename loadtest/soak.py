@@ -13,6 +13,7 @@ starts everything on 127.0.0.1. Stops `up` with SIGTERM (by PID) at the step bud
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -63,24 +64,18 @@ def main() -> int:
     argv = [sys.executable, "-m", "rlfabric.cli", "up", "--run-dir", str(args.out / "run")]
     argv += ["--steps", str(args.steps), "--no-progress"]
     log = (args.out / "up.log").open("w")
-    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert up.stdout is not None
-    pids: dict[str, int] = {}
-    url, started = "", time.monotonic()
+    output = UpOutput(up.stdout, log)
+    started = time.monotonic()
     samples: list[dict[str, Any]] = []
     stop_sent = False
     with (args.out / "memory.csv").open("w", newline="") as f:
         memory = csv.writer(f)
         memory.writerow(["seconds", "process", "rss_mib"])
         next_sample = time.monotonic()
-        os.set_blocking(up.stdout.fileno(), False)
         while up.poll() is None:
-            for line in iter(up.stdout.readline, ""):
-                log.write(line)
-                if m := re.search(r"starting (\S+) \.\.\. ready \(pid (\d+)\)", line):
-                    pids[m[1]] = int(m[2])
-                if m := re.search(r"page: (http://\S+)/runs/", line):
-                    url = m[1]
+            output.poll()
             elapsed = time.monotonic() - started
             if elapsed > args.max_seconds and not stop_sent:
                 # Once: `up` stops the run, then every process; a second SIGTERM would interrupt that.
@@ -88,19 +83,45 @@ def main() -> int:
                 stop_sent = True
             if time.monotonic() >= next_sample:
                 next_sample += args.interval
-                for name, pid in pids.items():
+                for name, pid in output.pids.items():
                     memory.writerow([round(elapsed, 1), name, round(rss_mib(pid), 1)])
                 f.flush()
-                if url:
-                    samples.append({"seconds": elapsed, **counters(url)})
+                if output.url:
+                    samples.append({"seconds": elapsed, **counters(output.url)})
             time.sleep(0.2)
-    log.write(up.stdout.read() or "")
+    output.poll()
+    log.write(output.partial)
     log.close()
     summary = summarize(args.out, samples, time.monotonic() - started, up.returncode)
     summary["stopped_at_time_limit"] = stop_sent
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return 0 if up.returncode == 0 else 1
+
+
+class UpOutput:
+    """`up`'s output, read without blocking and handled in whole lines (it prints "starting x ..." and
+    "ready (pid n)" as two writes), copied to up.log: the pid of each process and the run page's URL."""
+
+    def __init__(self, stream: IO[bytes], log: IO[str]) -> None:
+        self.fd, self.log = stream.fileno(), log
+        os.set_blocking(self.fd, False)
+        self.partial = ""
+        self.pids: dict[str, int] = {}
+        self.url = ""
+
+    def poll(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self.fd, 65536):
+                self.partial += chunk.decode(errors="replace")
+        *lines, self.partial = self.partial.split("\n")
+        for line in lines:
+            self.log.write(line + "\n")
+            if m := re.search(r"starting (\S+) \.\.\. ready \(pid (\d+)\)", line):
+                self.pids[m[1]] = int(m[2])
+            if m := re.search(r"page: (http://\S+)/runs/", line):
+                self.url = m[1]
+        self.log.flush()
 
 
 def counters(url: str) -> dict[str, Any]:
