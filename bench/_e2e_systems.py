@@ -140,9 +140,12 @@ def run_tree(argv: list[str], log: Path, env: dict[str, str], timeout_s: float) 
     return start, cpu
 
 
-def run_rlfabric(task: Task, work: Path, *, engine: str, compile_: bool, timeout_s: float) -> dict[str, Any]:
-    """One `rlfabric up`, vLLM's OpenMP threads bound to core 0 (the learner runs one torch thread:
-    `rlfabric up` sets OMP_NUM_THREADS=1 for it, so it lands on the other core)."""
+def run_rlfabric(
+    task: Task, work: Path, *, engine: str, compile_: bool, learner_threads: int | None, timeout_s: float
+) -> dict[str, Any]:
+    """One `rlfabric up`, vLLM's OpenMP threads bound to core 0. The learner runs one torch thread
+    (`rlfabric up`'s default, so it lands on the other core) unless `learner_threads` sets
+    OMP_NUM_THREADS for the services."""
     run_dir = work / "rlfabric"
     run_dir.mkdir(parents=True)
     run_file = run_dir / "run.json"
@@ -150,6 +153,8 @@ def run_rlfabric(task: Task, work: Path, *, engine: str, compile_: bool, timeout
     argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file), "--run-dir", str(run_dir)]
     argv += ["--no-progress", "--engine", engine, *(["--compile"] if compile_ else [])]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if learner_threads is not None:
+        env["OMP_NUM_THREADS"] = str(learner_threads)
     start, cpu = run_tree(argv, run_dir / "up.out", env, timeout_s)
     end = time.time()
     rows = [json.loads(line) for line in (run_dir / "e2e" / "metrics.jsonl").read_text().splitlines()]

@@ -97,7 +97,14 @@ def measure(
             print(f"repeat {k + 1}/{repeats}: {system} ...", flush=True)
             where = work / f"r{k}"
             if system == "rlfabric":
-                run = run_rlfabric(task, where, engine=engine, compile_=args.compile, timeout_s=args.timeout)
+                run = run_rlfabric(
+                    task,
+                    where,
+                    engine=engine,
+                    compile_=args.compile,
+                    learner_threads=args.learner_threads,
+                    timeout_s=args.timeout,
+                )
             else:
                 run = run_trl(task, where, timeout_s=args.timeout)
             results[system].append(run)
@@ -180,7 +187,8 @@ def report(
         f"max {task.max_tokens} completion tokens, lr {task.lr:g}, KL {task.kl_coef:g}, micro-batch "
         f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
         f"{len(results['trl'])} repeat(s) per system, interleaved; rlfabric vLLM "
-        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}.",
+        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, learner "
+        f"torch threads {args.learner_threads or 1}.",
         "",
         markdown_table(HEADERS, table_rows(results)),
         "",
@@ -229,6 +237,11 @@ def parse_args() -> Any:
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
     parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
+    parser.add_argument(
+        "--learner-threads",
+        type=int,
+        help="OMP_NUM_THREADS of rlfabric's services (default: rlfabric up's, 1)",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     return parser.parse_args()
 
@@ -260,6 +273,7 @@ def write_all(
         "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
         "preset": "tiny" if args.quick else "bench",
         "vllm_compiled": bool(args.compile and not args.quick),
+        "learner_threads": args.learner_threads or 1,
         "goal": GOAL,
         "comparison": cmp,
         "runs": results,
