@@ -226,7 +226,7 @@ def start_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: 
         argv += ["serve", "learner", "--config", str(path)]
     else:
         argv = cli("serve", "learner", "--config", str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one torch thread unless the caller chooses
     stack.start("learner", argv, r"listening on (\S+)", env=env)
 
 
