@@ -95,6 +95,9 @@ def client_channel_options(
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # Without this, gRPC core (1.85) gave a keepalive ping its default ping timeout (60 s) rather than
+        # keepalive_timeout_ms: a silent peer took ~90 s to detect instead of 30 s + 10 s.
+        ("grpc.http2.ping_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),

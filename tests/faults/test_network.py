@@ -7,6 +7,7 @@ ledger balances.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -124,9 +125,22 @@ def test_rollout_behind_a_slow_link(rollout_proxy: tuple[Stack, FaultProxy]) -> 
 
 
 def test_rollout_peer_stalled_is_detected_and_redispatched(rollout_proxy: tuple[Stack, FaultProxy]) -> None:
-    """Keepalive (30 s + 10 s in `make_channel`) closes a connection whose peer went silent."""
+    """Keepalive (30 s + 10 s in `make_channel`) closes a connection whose peer went silent; the calls on
+    it fail and their groups are re-dispatched. The learner is held meanwhile: otherwise the run ends on
+    the direct address before the stall is detected, and nothing would be proven."""
     stack, proxy = rollout_proxy
+    stack.wait(lambda: proxy.connections >= 1, 60, "a connection through the proxy")  # it carries work
+    stack.wait_for_step(1)
+    learner = stack.procs["learner"]
     proxy.stalled = True
-    stack.finish(timeout_s=400)
-    assert stack.status()["counters"]["redispatches"] >= 1
+    learner.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        stack.wait(lambda: stack.counters().get("redispatches", 0) >= 1, 150, "a stalled call re-dispatched")
+        detected_s = time.monotonic() - started
+    finally:
+        learner.signal(signal.SIGCONT)
+    print(f"stalled rollout calls re-dispatched after {detected_s:.0f} s")
+    assert detected_s < 75, detected_s  # keepalive (30 s + 10 s), not the 600 s Generate deadline
+    stack.finish()
     stack.books()
