@@ -91,9 +91,10 @@ def measure(
     """Both systems per repeat, interleaved; `save` is called after every complete repeat, so an
     interrupted run keeps the repeats it finished."""
     engine = "transformers" if args.quick else "vllm"
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    systems = [s for s in SYSTEMS if s in args.systems]
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for k in range(repeats):
-        for system in SYSTEMS if k % 2 == 0 else reversed(SYSTEMS):
+        for system in systems if k % 2 == 0 else reversed(systems):
             print(f"repeat {k + 1}/{repeats}: {system} ...", flush=True)
             where = work / f"r{k}"
             if system == "rlfabric":
@@ -119,7 +120,14 @@ def stats(runs: list[dict[str, Any]], key: str, unit: str = "") -> Stats:
 
 
 def comparison(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """rlfabric / TRL: throughput (ratio of medians and median of per-repeat ratios), reward, goal."""
+    """rlfabric / TRL: throughput (ratio of medians and median of per-repeat ratios), reward, goal;
+    NaN (and the goal unmet) when a run measured only one of them."""
+    if set(results) != set(SYSTEMS):
+        nan = float("nan")
+        per_repeat_nan = Stats.of([nan], "x").to_dict()
+        return {"throughput_ratio": nan, "throughput_ratio_per_repeat": per_repeat_nan,
+                "throughput_ratio_with_startup": nan, "reward_difference": nan,
+                "reward_equal_or_better": False, "goal_met": False}  # fmt: skip
     ours, trl = results["rlfabric"], results["trl"]
     per_repeat = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, trl, strict=True)]
     ratio = stats(ours, "samples_per_s").median / stats(trl, "samples_per_s").median
@@ -155,20 +163,34 @@ def split_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     def med(runs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r["split"].get(key, float("nan")) for r in runs)
 
-    ours, trl = results["rlfabric"], results["trl"]
-    s_ours, s_trl = stats(ours, "seconds_per_step").median, stats(trl, "seconds_per_step").median
+    lines = []
+    if "trl" in results:
+        lines.append(trl_split(results["trl"], med))
+    if "rlfabric" in results:
+        lines.append(rlfabric_split(results["rlfabric"], med))
+    return lines
+
+
+def trl_split(trl: list[dict[str, Any]], med: Callable[[list[dict[str, Any]], str], float]) -> str:
+    s_trl = stats(trl, "seconds_per_step").median
     gen, prep, train = med(trl, "generate_s"), med(trl, "prepare_s"), med(trl, "train_s")
-    busy = med(ours, "replica_busy_fraction")
-    l_train, l_pub = med(ours, "train_s"), med(ours, "publish_s")
-    return [
+    return (
         f"- TRL, {fmt(s_trl)} s per step: generate {fmt(gen)} s ({fmt(100 * gen / s_trl)} %), prepare "
         f"(reward, reference log-probs) {fmt(prep)} s, train {fmt(train)} s ({fmt(100 * train / s_trl)} %), "
-        "one after another.",
+        "one after another."
+    )
+
+
+def rlfabric_split(ours: list[dict[str, Any]], med: Callable[[list[dict[str, Any]], str], float]) -> str:
+    s_ours = stats(ours, "seconds_per_step").median
+    busy = med(ours, "replica_busy_fraction")
+    l_train, l_pub = med(ours, "train_s"), med(ours, "publish_s")
+    return (
         f"- rlfabric, {fmt(s_ours)} s per step: learner train {fmt(l_train)} s "
         f"({fmt(100 * l_train / s_ours)} %), publish {fmt(l_pub)} s, waiting for groups "
         f"{fmt(max(s_ours - l_train - l_pub, 0.0))} s; the replica was busy {fmt(100 * busy)} % of the run "
-        f"(~{fmt(busy * s_ours)} s of generation per step, overlapping training).",
-    ]
+        f"(~{fmt(busy * s_ours)} s of generation per step, overlapping training)."
+    )
 
 
 def report(
@@ -186,7 +208,7 @@ def report(
         f"GRPO end to end, {task.steps} steps x {task.prompts_per_step} prompts x {task.group_size} samples, "
         f"max {task.max_tokens} completion tokens, lr {task.lr:g}, KL {task.kl_coef:g}, micro-batch "
         f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
-        f"{len(results['trl'])} repeat(s) per system, interleaved; rlfabric vLLM "
+        f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
         f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, learner "
         f"torch threads {args.learner_threads or 1}.",
         "",
@@ -206,7 +228,7 @@ def report(
         "",
         f"Machine: {machine_line(machine)}; load at the end {machine_info()['load_avg_1m']:.2f}.",
         "",
-        f"Command: `python bench/e2e_trl.py {' '.join(sys.argv[1:])}`".rstrip() + ".",
+        f"Command: `{' '.join(['python bench/e2e_trl.py', *sys.argv[1:]])}`.",
     ]
     return "\n".join(lines)
 
@@ -241,6 +263,9 @@ def parse_args() -> Any:
         "--learner-threads",
         type=int,
         help="OMP_NUM_THREADS of rlfabric's services (default: rlfabric up's, 1)",
+    )
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run (default both)"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     return parser.parse_args()
