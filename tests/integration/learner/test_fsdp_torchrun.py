@@ -82,12 +82,20 @@ def test_two_ranks_train_like_one(runs: dict[int, Path], tiny_model_dir: Path) -
         assert m2 == pytest.approx(m1, abs=1e-5)
         assert m2["samples"] == 12
     state_one, state_two = _load(runs[1] / "a.pt"), _load(runs[2] / "a.pt")
-    _assert_same(state_one, state_two, atol=1e-5)
     from safetensors.torch import load_file
 
     initial = load_file(tiny_model_dir / "model.safetensors")
     moved = max(float((state_two[k] - v).abs().max()) for k, v in initial.items() if k in state_two)
     assert moved > 1e-3
+    # Weights agree to 0.1% (in norm) of how far training moved them. Element-wise equality is not the
+    # test: Adam divides by each gradient's own size, so an element whose gradient is rounding noise
+    # (which differs with the reduction order of two ranks) takes a full-size step either way.
+    assert state_one.keys() == state_two.keys()
+    for name, tensor in state_one.items():
+        if name not in initial or name.endswith("k_proj.bias"):
+            continue  # k_proj.bias: softmax ignores a shift shared by every key, its gradient is ~0
+        step = float((tensor - initial[name]).norm())
+        assert float((state_two[name] - tensor).norm()) <= 1e-3 * step + 1e-7, name
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
