@@ -3,10 +3,11 @@ every few seconds; writes what it saw and prints a summary.
 
     python loadtest/soak.py --steps 200 --max-seconds 1800 --out soak-out
 
-Recorded: throughput (learner steps/s, trained tokens/s from metrics.jsonl, samples generated/s from the
-run's counters), learner step latency p50/p99 (time between consecutive metrics rows), error rate
-((scorer errors + re-dispatches) / samples generated, from the coordinator's counters), and the resident
-memory of every service process over time (`memory.csv`: seconds, process, RSS MiB). Loopback only: `up`
+Recorded: throughput (learner steps/s, trained tokens/s from metrics.jsonl, samples generated from the
+run's counters over the time between the first and the last learner step), learner step latency p50/p99
+(time between consecutive metrics rows), error rate ((scorer errors + re-dispatches) / samples generated,
+from the coordinator's counters), and the resident memory of every service process over time
+(`memory.csv`: seconds, process, RSS MiB). Loopback only: `up`
 starts everything on 127.0.0.1. Stops `up` with SIGTERM (by PID) at the step budget or the time limit.
 """
 
@@ -135,7 +136,8 @@ def summarize(out: Path, samples: list[dict[str, Any]], seconds: float, code: in
     metrics = out / "run" / "demo" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
-    last = samples[-1] if samples else {}
+    # The newest sample that read the counters (the last ones may come after the coordinator stopped).
+    last = next((c for c in reversed(samples) if "samples_generated" in c), {})
     generated = int(last.get("samples_generated", 0))
     errors = int(last.get("scorer_errors", 0)) + int(last.get("redispatches", 0))
     span = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else float("nan")
@@ -152,7 +154,7 @@ def summarize(out: Path, samples: list[dict[str, Any]], seconds: float, code: in
         if rows
         else None,
         "samples_generated": generated,
-        "samples_per_s": round(generated / seconds, 2) if seconds else None,
+        "samples_per_s": round(generated / span, 2) if len(rows) > 1 else None,
         "step_latency_p50_s": round(percentile(gaps, 0.5), 3),
         "step_latency_p99_s": round(percentile(gaps, 0.99), 3),
         "error_rate": round(errors / generated, 5) if generated else None,
