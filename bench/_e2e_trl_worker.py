@@ -92,8 +92,9 @@ def build_trainer(cfg: dict[str, Any], out_dir: Path) -> Any:
     )
 
 
-def instrument(trainer: Any, rows: list[dict[str, Any]], started: float) -> None:
-    """Wraps the trainer's generation and training methods with timers and records a row per step."""
+def instrument(trainer: Any, rows: list[dict[str, Any]]) -> None:
+    """Wraps the trainer's generation and training methods with timers and records a row per step
+    (printed as it ends: the log shows the progress of a slow run)."""
     from transformers import TrainerCallback
 
     timers = Timers()
@@ -121,6 +122,7 @@ def instrument(trainer: Any, rows: list[dict[str, Any]], started: float) -> None
             if rows and logs and "reward" in logs:
                 rows[-1]["reward"] = float(logs["reward"])
                 rows[-1]["completion_length"] = float(logs.get("completions/mean_length", float("nan")))
+                print(f"e2e step {json.dumps(rows[-1])}", flush=True)
 
     trainer.add_callback(StepRows())
 
@@ -132,7 +134,7 @@ def main(config_path: str, out_path: str) -> int:
     trainer = build_trainer(cfg, out.parent / "trl-output")
     ready_s = time.perf_counter() - started
     rows: list[dict[str, Any]] = []
-    instrument(trainer, rows, started)
+    instrument(trainer, rows)
     trainer.train()
     out.write_text(json.dumps({"ready_s": ready_s, "wall_s": time.perf_counter() - started, "rows": rows}))
     return 0
