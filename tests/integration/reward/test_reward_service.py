@@ -209,14 +209,12 @@ def assert_next_call_is_prompt(client: RewardClient) -> None:
 def test_deadline_answers_timeout_and_frees_the_worker(
     client: RewardClient, server: dict[str, str], user_fn: str
 ) -> None:
-    """A batch still running at the client's deadline ends as TIMEOUT (or DEADLINE_EXCEEDED if the answer
-    misses it), never as a reward; the single worker is replaced, so the next call gets through."""
-    with RewardClient(server["address"], timeout_s=1.5) as impatient:
-        try:
-            [result] = impatient.score([item(0, "x", kind="sleep")], "python_function", {"function": user_fn})
-            assert result.status == "timeout" and math.isnan(result.reward)
-        except grpc.RpcError as error:
-            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    """A batch still running near the client's deadline is answered in time as TIMEOUT, never as a
+    reward nor as the caller's DEADLINE_EXCEEDED (which would make the coordinator regenerate the group);
+    the single worker is replaced, so the next call gets through."""
+    with RewardClient(server["address"], timeout_s=3.0) as impatient:
+        [result] = impatient.score([item(0, "x", kind="sleep")], "python_function", {"function": user_fn})
+    assert result.status == "timeout" and math.isnan(result.reward)
     assert_next_call_is_prompt(client)
 
 
