@@ -11,6 +11,7 @@ vLLM replica, the learner and the coordinator. Measured per run, from the run's 
   least one group in flight (`rollout_busy_fraction_run` on the last learner row; it is what the
   autoscaling signal is built on). A request the replica holds while it loads the next version counts
   as busy, so the synchronous figure is, if anything, flattering;
+- the same over the coordinator's last 30 s window at the final step (steady state, start-up excluded);
 - seconds per step after the first two (start-up excluded), samples trained per second, and the groups
   the learner dropped as stale (the lag bound should make that 0 in both modes).
 
@@ -45,8 +46,8 @@ NAME = "rollout_busy"
 MODES = {"async (max_staleness 1)": 1, "sync (max_staleness 0)": 0}
 GOAL = 0.9
 HEADERS = [
-    "mode", "busy fraction (median)", "min..max", "s / step", "samples / s", "stale drops (max)",
-    "final reward",
+    "mode", "busy fraction (median)", "min..max", "busy, last 30 s", "s / step", "samples / s",
+    "stale drops (max)", "final reward",
 ]  # fmt: skip
 
 
@@ -83,6 +84,7 @@ def figures(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     samples = sum(r.get("samples", 0.0) for r in steady[1:])
     return {
         "busy_fraction": float(last.get("rollout_busy_fraction_run", float("nan"))),
+        "busy_fraction_last_30s": float(last.get("rollout_busy_fraction", float("nan"))),
         "seconds_per_step": seconds_per_step,
         "samples_per_s": samples / span if span > 0 else float("nan"),
         "dropped_stale": int(last.get("groups_dropped_stale", 0)),
@@ -114,6 +116,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: Any, steps: int, engi
     for mode, runs in results.items():
         rows.append([
             mode, fmt(busy[mode].median), f"{fmt(busy[mode].min)}..{fmt(busy[mode].max)}",
+            fmt(stats_of(runs, "busy_fraction_last_30s", "fraction").median),
             fmt(stats_of(runs, "seconds_per_step", "s").median),
             fmt(stats_of(runs, "samples_per_s", "samples/s").median),
             max(r["dropped_stale"] for r in runs), fmt(stats_of(runs, "reward_last", "").median),
