@@ -18,7 +18,6 @@ each drawn prompt is enqueued once, dropped with a reason, or still in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,8 +27,7 @@ from typing import Any
 
 import grpc
 
-from rlfabric.common import registry, telemetry
-from rlfabric.common.grpc_client import make_channel
+from rlfabric.common import telemetry
 from rlfabric.common.runspec import RunSpec
 from rlfabric.common.streams import (
     ensure_consumer_group,
@@ -37,6 +35,7 @@ from rlfabric.common.streams import (
     undelivered,
 )
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
+from rlfabric.coordinator.replicas import ReplicaPool
 from rlfabric.coordinator.runs import scaling_key
 from rlfabric.coordinator.scaling import (
     BusyMeter,
@@ -48,11 +47,10 @@ from rlfabric.coordinator.scaling import (
 )
 from rlfabric.reward.client import AsyncRewardClient, ItemResult
 from rlfabric.reward.service import spec_from_reward_spec
-from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2, rollout_pb2_grpc
+from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
-REPLICA_BACKOFF_S = 5.0
 GENERATE_TIMEOUT_S = 600.0
 
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
@@ -126,80 +124,6 @@ class Keys:
         self.eval, self.groups = f"{base}:eval", groups_key(run_id)
         self.scaling = scaling_key(run_id)
         self.version = f"{base}:version"
-
-
-class ReplicaPool:
-    """Serving replicas of the run, refreshed from the registry; client-side least-loaded balancing.
-    Every change of a replica's load goes to the busy meter; `waiting` counts groups that wait for a slot."""
-
-    def __init__(self, redis: Any, run_id: str, per_replica: int, meter: BusyMeter) -> None:
-        self.redis, self.run_id, self.per_replica, self.meter = redis, run_id, per_replica, meter
-        self.load: dict[str, int] = {}
-        self.excluded: dict[str, float] = {}
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self.changed = asyncio.Condition()
-        self.waiting = 0
-
-    async def refresh(self) -> None:
-        entries = await registry.discover(self.redis, self.run_id)
-        live = {e.address for e in entries if e.serving}
-        async with self.changed:
-            now = time.monotonic()
-            for address in live - self.load.keys():
-                self.load[address] = 0
-                self.meter.seen(address, now)
-            for address in self.load.keys() - live:
-                if self.load[address] == 0:
-                    del self.load[address]
-                    self.meter.gone(address, now)
-            self.changed.notify_all()
-
-    async def watch(self, interval_s: float = 1.0) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception:  # tolerated: Redis restarting; the next refresh catches up
-                log.warning("replica discovery failed", exc_info=True)
-            await asyncio.sleep(interval_s)
-
-    def _best(self) -> str | None:
-        now = time.monotonic()
-        ready = [a for a, n in self.load.items() if n < self.per_replica and self.excluded.get(a, 0) <= now]
-        return min(ready, key=lambda a: self.load[a]) if ready else None
-
-    async def acquire(self) -> str:
-        async with self.changed:
-            self.waiting += 1
-            try:
-                while (address := self._best()) is None:
-                    await self._wait()
-            finally:
-                self.waiting -= 1
-            self.load[address] += 1
-            self.meter.update(address, self.load[address], time.monotonic())
-            return address
-
-    async def _wait(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), 1.0)
-
-    async def release(self, address: str, *, failed: bool = False) -> None:
-        async with self.changed:
-            if address in self.load:
-                self.load[address] -= 1
-                self.meter.update(address, self.load[address], time.monotonic())
-            if failed:
-                self.excluded[address] = time.monotonic() + REPLICA_BACKOFF_S
-            self.changed.notify_all()
-
-    def stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
-        if address not in self.channels:
-            self.channels[address] = make_channel(address)
-        return rollout_pb2_grpc.RolloutServiceStub(self.channels[address])
-
-    async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close(None)
 
 
 class ReplicaFailed(RuntimeError):
