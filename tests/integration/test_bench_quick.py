@@ -95,6 +95,33 @@ def test_rollout_busy_bench_quick(tmp_path: Path) -> None:
     assert isinstance(result["goal_met"], bool)
 
 
+def test_rollout_scaling_bench_quick(tmp_path: Path) -> None:
+    """Three transformers-engine replicas: 1 vs 2 replicas, then the cost cells on one of them."""
+    result = run_quick("rollout_scaling", tmp_path, timeout=300)
+    assert result["quick"] is True and result["engine"] == "transformers" and result["goal"] is None
+    plan, load = result["plan"], result["plan"]["load"]
+    scaling = result["result"]["replicas"]
+    assert set(scaling["configs"]) == {"1 replica", "2 replicas"}
+    for config in scaling["configs"].values():
+        assert config["tokens_per_s"]["median"] > 0 and config["samples_per_s"]["median"] > 0
+        (run,) = config["runs"]
+        assert set(run["groups_per_replica"]) == set(config["replicas"])
+        assert all(groups > 0 for groups in run["groups_per_replica"].values())
+        assert sum(run["groups_per_replica"].values()) == run["groups"] == load["prompts"]
+        assert run["samples"] == load["prompts"] * load["n"]
+        assert 0 < run["tokens"] <= run["samples"] * load["max_tokens"]
+    assert scaling["ratio_tokens_per_s"] > 0 and scaling["ratio_samples_per_s"] > 0
+    cells = result["result"]["cost"]["cells"]
+    by_length = {(length, load["n"]) for length in plan["lengths"]}
+    by_n = {(load["max_tokens"], n) for n in plan["group_sizes"]}
+    assert {(c["max_tokens"], c["n"]) for c in cells} == by_length | by_n
+    assert [c["base"] for c in cells].count(True) == 1
+    for c in cells:
+        assert c["tokens_per_s"]["median"] > 0 and c["seconds_per_group"]["median"] > 0
+        assert 0 < c["mean_completion"]["median"] <= c["max_tokens"]
+        assert c["tokens_per_s_vs_base"]["median"] > 0
+
+
 def test_e2e_trl_bench_quick(tmp_path: Path) -> None:
     """rlfabric up and TRL's GRPOTrainer on the same tiny task. TRL comes with the `bench` extra, which
     CI installs (scripts/bootstrap.sh): a missing TRL fails here rather than skipping."""
