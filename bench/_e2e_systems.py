@@ -40,6 +40,10 @@ class Task:
     lr: float
     kl_coef: float
     micro_batch_size: int
+    dtype: str = "float32"
+    """Compute dtype of both systems ("float32" or "bfloat16"): rlfabric's `model.dtype` (learner
+    forward/backward over float32 master weights, and the vLLM replica), TRL's `bf16` (autocast over
+    float32 weights, generation included)."""
     seed: int = 0
     threads: int = 2
     """torch threads of the TRL process (the machine's cores)."""
@@ -54,7 +58,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
     makes the same way: plain-text prompts, constant lr, token-mean loss, std-scaled advantages)."""
     return {
         "name": name,
-        "model": {"path": task.model, "max_model_len": 64 + task.max_tokens},
+        "model": {"path": task.model, "max_model_len": 64 + task.max_tokens, "dtype": task.dtype},
         "dataset": {
             "path": task.prompts,
             "reference_field": None,

@@ -3,8 +3,9 @@
     python bench/_e2e_trl_worker.py CONFIG.json OUT.json
 
 CONFIG holds the shared task (model folder, prompts file, steps, group size, prompts per step, max
-completion tokens, lr, KL coefficient, micro-batch size, seed, torch threads). OUT receives one row per
-optimizer step (wall time at its end, mean reward, mean completion length) and where the time went:
+completion tokens, lr, KL coefficient, micro-batch size, compute dtype, seed, torch threads). OUT receives
+one row per optimizer step (wall time at its end, mean reward, mean completion length) and where
+the time went:
 
 - `generate_s`: `GRPOTrainer._generate` (transformers `generate` of the step's completions);
 - `prepare_s`: the rest of `_generate_and_score_completions` (the reward function, the reference
@@ -79,6 +80,7 @@ def build_trainer(cfg: dict[str, Any], out_dir: Path) -> Any:
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        bf16=cfg.get("dtype") == "bfloat16",
     )
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])

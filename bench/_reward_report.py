@@ -161,22 +161,31 @@ def exact_notes(exact_result: dict[str, Any], goal: float) -> list[str]:
     base_cpu = Stats(**exact_result["in_process"]["items_per_cpu_s"]).median
     per_item_us = 1000 * best["service_cpu_ms_per_call"] / exact_result["batch_size"]
     ceiling = Stats(**best["items_per_service_cpu_s"]).median
+    cores = best["cpu_cores"]
+    processes = best.get("processes", 1)
     line = (
-        f"- exact_match: best {fmt(best['items_per_s']['median'])} items/s at {best['in_flight']} in flight "
-        f"({verdict(exact_result['goal_met'])}). The server process kept {best['cpu_cores']['server']:.2f} "
+        f"- exact_match: best {fmt(best['items_per_s']['median'])} items/s with {processes} server "
+        f"process{'es' if processes > 1 else ''} at {best['in_flight']} in flight "
+        f"({verdict(exact_result['goal_met'])}). The service kept {cores['server'] + cores['workers']:.2f} "
         f"cores busy and spent {fmt(best['service_cpu_ms_per_call'])} ms of CPU per call "
-        f"({per_item_us:.0f} µs per item, against {1e6 / base_cpu:.1f} µs in-process), so one core caps it "
-        f"near {fmt(ceiling)} items/s; the client used {best['cpu_cores']['client']:.2f} cores."
+        f"({per_item_us:.0f} µs per item, against {1e6 / base_cpu:.1f} µs in-process): each core it gets "
+        f"is worth about {fmt(ceiling)} items/s; the client used {cores['client']:.2f} cores."
     )
     if not exact_result["goal_met"]:
         line += (
-            f" Reaching {fmt(goal)} items/s at batch {exact_result['batch_size']} takes one whole core for "
-            "the server process (its event-loop thread does the work: gRPC aio's per-call machinery, the "
-            "proto conversions and the scoring, all under one GIL) and the client's share besides; "
-            "whatever else runs on the cores takes from that. Past saturation, more calls in flight only "
-            "add queueing latency."
+            f" Reaching {fmt(goal)} items/s at batch {exact_result['batch_size']} takes more than one core "
+            "for the service (one server process's event-loop thread does all its work: gRPC aio's "
+            "per-call machinery, the proto conversions and the scoring, under one GIL) and the client's "
+            "share besides; whatever else runs on the cores takes from that."
         )
-    return [line]
+    notes = [line]
+    if any(s.get("processes", 1) > 1 for s in exact_result["service"].values()):
+        notes.append(
+            '- With processes > 1 the busy-cores column\'s "server" is the supervisor (it only watches) '
+            'and "workers" its server processes, which share the port (SO_REUSEPORT): the kernel '
+            "spreads the client's connections over them."
+        )
+    return notes
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:

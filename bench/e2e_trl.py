@@ -79,10 +79,10 @@ def prepare(work: Path, args: Any) -> Task:
     write_dataset(prompts)
     if args.quick:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
-                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8)  # fmt: skip
+                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
-                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size)  # fmt: skip
+                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype)  # fmt: skip
 
 
 def measure(
@@ -257,6 +257,12 @@ def parse_args() -> Any:
     parser.add_argument("--max-tokens", type=int, default=128, help="max completion tokens (default 128)")
     parser.add_argument("--lr", type=float, default=5e-3, help="learning rate, constant (default 5e-3)")
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype of both systems, over float32 master weights (default float32)",
+    )
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
     parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
     parser.add_argument(

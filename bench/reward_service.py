@@ -7,13 +7,14 @@
     2 x workers batches in flight; the figure of merit is the service's items/s per core used divided by
     the in-process items/s (goal ≥ 0.9), where the cores used are the workers plus the server process's
     own measured share (CPU seconds per wall second).
-(b) `exact_match` (cheap, runs on a thread of the server process): in-process items/s against the RPC
-    driven by 8 and 32 concurrent calls (over up to 8 connections) of pre-built ScoreRequests on the raw
-    asyncio stub, so the figure is the service's and not the client's proto conversion (goal ≥ 50,000
-    items/s); p50/p99 per call.
+(b) `exact_match` (cheap, runs on the event loop of a server process): in-process items/s against the
+    RPC driven by 8 and 32 concurrent calls (over up to 16 connections) of pre-built ScoreRequests on the
+    raw asyncio stub, so the figure is the service's and not the client's proto conversion (goal ≥ 50,000
+    items/s), on one server process and on two sharing the port (`processes=2`); p50/p99 per call.
 
-Both services (workers=1 and workers=2) run side by side for the whole benchmark and every repeat
-measures each configuration once, baseline included, so slow phases of a noisy machine hit them alike.
+The services (workers=1, workers=2 and processes=2) run side by side for the whole benchmark and every
+repeat measures each configuration once, baseline included, so slow phases of a noisy machine hit them
+alike.
 Besides wall-clock rates, every measurement records the CPU seconds it cost (the baseline's thread; the
 service's server process and workers): items per CPU-second is what the path costs whatever else the
 machine is doing.
@@ -63,8 +64,9 @@ GOAL_EXACT_ITEMS_PER_S = 50_000.0
 CALL_TIMEOUT_S = 300.0
 # The baseline thread must get at least this much of a core for wall-clock ratios to mean anything.
 MIN_BASELINE_BUSY = 0.9
-# Client connections the calls in flight are spread over.
-MAX_CONNECTIONS = 8
+# Client connections the calls in flight are spread over (the kernel spreads connections, not calls, over
+# the server processes of a `processes` > 1 service).
+MAX_CONNECTIONS = 16
 STATUS_NAMES = {
     common_pb2.REWARD_STATUS_OK: "ok",
     common_pb2.REWARD_STATUS_SCORER_ERROR: "scorer_error",
@@ -81,10 +83,11 @@ class Sizes:
     exact_seconds: float = 4.0
     concurrencies: tuple[int, ...] = (8, 32)
     workers: tuple[int, ...] = (1, 2)
+    processes: tuple[int, ...] = (1, 2)
 
     @classmethod
     def for_run(cls, quick: bool) -> Sizes:
-        return cls(128, 256, 0.3, (8,), (1, 2)) if quick else cls()
+        return cls(128, 256, 0.3, (8,), (1, 2), (1, 2)) if quick else cls()
 
 
 def batches(items: Sequence[ScoreInput], size: int = BATCH) -> list[list[ScoreInput]]:
@@ -169,13 +172,16 @@ class Service:
 
 
 @contextmanager
-def reward_service(workers: int, log_dir: Path) -> Iterator[Service]:
-    """A `rlfabric serve reward` process with `workers` scorer workers."""
+def reward_service(workers: int, log_dir: Path, processes: int = 1) -> Iterator[Service]:
+    """A `rlfabric serve reward` process with `workers` scorer workers; with `processes` > 1, the
+    supervisor of that many server processes (its children), `workers` shared out among them."""
     argv = [
         sys.executable, "-m", "rlfabric.cli", "serve", "reward", "--port", "0",
-        "--set", f"workers={workers}", "--set", "server.metrics_port=0", "--set", "log.format=text",
+        "--set", f"workers={workers}", "--set", f"processes={processes}",
+        "--set", "server.metrics_port=0", "--set", "log.format=text",
     ]  # fmt: skip
-    proc = ServiceProcess(f"reward-w{workers}", argv, log_path=log_dir / f"reward-w{workers}.log")
+    name = f"reward-w{workers}-p{processes}"
+    proc = ServiceProcess(name, argv, log_path=log_dir / f"{name}.log")
     try:
         proc.start(r"metrics on http://\S+", timeout_s=120)
         address = proc.wait_for(r"listening on (\S+)", timeout_s=120).group(1)
@@ -374,36 +380,40 @@ def math_report(
     }
 
 
-def bench_exact(service: Service, sizes: Sizes, repeats: int) -> dict[str, Any]:
-    """(b): in-process vs the RPC at each concurrency, interleaved repeat by repeat."""
+def bench_exact(services: dict[int, Service], sizes: Sizes, repeats: int) -> dict[str, Any]:
+    """(b): in-process vs the RPC on each service (by server processes) at each concurrency, interleaved
+    repeat by repeat."""
     items = exact_items(sizes.exact_items, seed=2)
     scorer = build_scorer("exact_match", {})
     work = batches(items)
     requests = requests_for(items, "exact_match")
-    drive_sync(service, requests, max(sizes.concurrencies), seconds=min(sizes.exact_seconds, 1.0))
+    for service in services.values():
+        drive_sync(service, requests, max(sizes.concurrencies), seconds=min(sizes.exact_seconds, 1.0))
     baseline: list[Rate] = []
-    series = {c: Series() for c in sizes.concurrencies}
+    series = {(p, c): Series() for p in services for c in sizes.concurrencies}
     for r in range(repeats):
         baseline.append(in_process_for(scorer, work, sizes.exact_seconds))
-        for concurrency, s in series.items():
+        for (processes, concurrency), s in series.items():
+            service = services[processes]
             s.runs.append(drive_sync(service, requests, concurrency, seconds=sizes.exact_seconds))
         progress(f"exact_match {r + 1}/{repeats}", baseline[-1], series)
     return exact_report(items, baseline, series)
 
 
 def exact_report(
-    items: Sequence[ScoreInput], baseline: list[Rate], series: dict[int, Series]
+    items: Sequence[ScoreInput], baseline: list[Rate], series: dict[tuple[int, int], Series]
 ) -> dict[str, Any]:
     base = baseline_summary(baseline)
     service = {}
-    for concurrency, s in series.items():
+    for (processes, concurrency), s in series.items():
         summary = s.summary()
         summary |= {
+            "processes": processes,
             "in_flight": concurrency,
             "vs_in_process": ratio(summary["items_per_s"]["median"], base["items_per_s"]["median"]),
             "goal_met": summary["items_per_s"]["median"] >= GOAL_EXACT_ITEMS_PER_S,
         }
-        service[f"in_flight={concurrency}"] = summary
+        service[f"processes={processes}, in_flight={concurrency}"] = summary
     best = max(s["items_per_s"]["median"] for s in service.values())
     return {
         "items": len(items),
@@ -417,7 +427,7 @@ def exact_report(
     }
 
 
-def progress(label: str, baseline: Rate, series: dict[int, Series]) -> None:
+def progress(label: str, baseline: Rate, series: dict[Any, Series]) -> None:
     rates = ", ".join(f"{k}: {fmt(s.runs[-1].items_per_s)}" for k, s in series.items())
     print(f"  {label}: in-process {fmt(baseline.per_s)} items/s; service {rates}", flush=True)
 
@@ -430,9 +440,12 @@ def run(sizes: Sizes, repeats: int, quick: bool) -> dict[str, Any]:
     machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="rlfabric-bench-") as logs, ExitStack() as stack:
         services = {w: stack.enter_context(reward_service(w, Path(logs))) for w in sizes.workers}
-        print(f"services up: {services}", flush=True)
+        by_processes = {1: services[min(services)]}
+        for p in (p for p in sizes.processes if p > 1):
+            by_processes[p] = stack.enter_context(reward_service(p, Path(logs), processes=p))
+        print(f"services up: {services}, by server processes: {by_processes}", flush=True)
         math_result = bench_math(services, sizes, repeats)
-        exact_result = bench_exact(services[min(services)], sizes, repeats)
+        exact_result = bench_exact(by_processes, sizes, repeats)
     return {
         "name": NAME,
         "quick": quick,

@@ -202,7 +202,8 @@ def replica_process(
     argv = cli("serve", "rollout", "--model", spec.model.path, "--port", "0", "--engine", args.engine)
     settings = [
         f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id=rollout-{i}",
-        f"engine.max_model_len={spec.model.max_model_len}", "engine.kv_cache_bytes=268435456",
+        f"engine.max_model_len={spec.model.max_model_len}", f"engine.dtype={spec.model.dtype}",
+        "engine.kv_cache_bytes=268435456",
         f"engine.enforce_eager={str(not args.compile).lower()}", "log.format=text",
     ]  # fmt: skip
     for setting in settings:

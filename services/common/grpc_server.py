@@ -113,6 +113,10 @@ class GrpcServerOptions:
     """On stop, in-flight RPCs get this long to finish before they are cancelled."""
     tls: TlsFiles | None = None
     """TLS (mTLS when `tls.client_ca_file` is set); None serves plaintext."""
+    reuse_port: bool = False
+    """Bind with SO_REUSEPORT, so that several processes of one service can share the port (the kernel
+    spreads connections over them). Off by default: a second server started on a taken port must fail,
+    not silently share it."""
 
     @property
     def address(self) -> str:
@@ -139,7 +143,7 @@ def options_from_config(config: ServerConfig) -> GrpcServerOptions:
 
 
 def server_channel_options(options: GrpcServerOptions) -> list[tuple[str, int]]:
-    """The core channel arguments for `options`: size limits, keepalive, no port sharing."""
+    """The core channel arguments for `options`: size limits, keepalive, port sharing only when asked."""
     return [
         ("grpc.max_receive_message_length", options.max_message_bytes),
         ("grpc.max_send_message_length", options.max_message_bytes),
@@ -148,7 +152,7 @@ def server_channel_options(options: GrpcServerOptions) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(options.min_client_ping_interval_s * 1000)),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(options.reuse_port)),
     ]
 
 

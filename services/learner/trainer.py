@@ -174,7 +174,9 @@ class Trainer:
     def plan(self, groups: Sequence[GroupSamples]) -> StepPlan:
         """Phases 1-3: shard, micro-batch, frozen pass, advantages."""
         mine = shard_groups(groups, self.world.rank, self.world.size)
-        micro_batches = build_micro_batches(mine, self.spec.train.micro_batch_size, self.pad_id)
+        micro_batches = build_micro_batches(
+            mine, self.spec.train.micro_batch_size, self.pad_id, by_length=True
+        )
         micro_batches = self._pad_micro_batches(micro_batches)
         step_batch = StepBatch.from_groups(mine)
         for mb in micro_batches:
@@ -188,7 +190,9 @@ class Trainer:
     def sequence_logprobs(self, groups: Sequence[GroupSamples]) -> Tensor:
         """Sum of the policy's log-probs of each completion: (N,) in step order. Collective: every rank
         passes the same groups and gets every sample's value (evaluation and tests)."""
-        micro_batches = build_micro_batches(groups, self.spec.train.micro_batch_size, self.pad_id)
+        micro_batches = build_micro_batches(
+            groups, self.spec.train.micro_batch_size, self.pad_id, by_length=True
+        )
         out = torch.zeros(sum(len(g.rollouts) for g in groups))
         for mb in micro_batches:
             mb = mb.to(self.device)

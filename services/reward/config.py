@@ -24,7 +24,14 @@ class RewardServiceConfig(StrictModel):
     max_item_bytes: int = Field(default=1 << 20, ge=1)
     """Largest single item (prompt + completion + reference + metadata); bigger gets RESOURCE_EXHAUSTED."""
     workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    """Scorer worker processes (CPU-heavy scorers run there, off the event loop); defaults to the cores."""
+    """Scorer worker processes (CPU-heavy scorers run there, off the event loop); defaults to the cores.
+    With several server `processes` they are shared out: each process gets ceil(workers / processes)."""
+    processes: int = Field(default=1, ge=1, le=64)
+    """Server processes sharing the port (SO_REUSEPORT, Linux): the kernel spreads client connections
+    over them. One process handles RPCs on one core at most (gRPC's per-call work, the proto conversions
+    and the inline scorers hold its GIL); raise this when cheap scorers at high call rates saturate it.
+    Connections, not calls, are spread: a client reaches several processes only over several
+    connections."""
     inline_scorers: list[str] = Field(
         default_factory=lambda: ["exact_match", "regex", "length_penalty", "overlong_penalty"]
     )

@@ -70,6 +70,26 @@ def test_rows_keep_their_group_and_step_index_and_reward() -> None:
     assert [mb.num_tokens for mb in mbs] == [6, 1]
 
 
+def test_by_length_puts_sequences_of_similar_length_together_and_keeps_their_identity() -> None:
+    # Sequence lengths (prompt + completion) in step order: 5, 4, 4, 2.
+    mbs = build_micro_batches(_groups(), micro_batch_size=2, pad_id=PAD, by_length=True)
+    assert [mb.sample_index.tolist() for mb in mbs] == [[3, 1], [2, 0]]
+    assert [mb.group_index.tolist() for mb in mbs] == [[1, 0], [1, 0]]
+    assert [mb.rewards.tolist() for mb in mbs] == [[0.0, 0.0], [0.5, 1.0]]
+    assert mbs[0].input_ids.tolist() == [[13, 50, PAD, PAD], [10, 11, 12, 30]]
+    assert mbs[1].input_ids.tolist() == [[13, 40, 41, 42, PAD], [10, 11, 12, 20, 21]]
+    in_order = build_micro_batches(_groups(), micro_batch_size=2, pad_id=PAD)
+    padded = [sum(mb.input_ids.numel() for mb in batches) for batches in (mbs, in_order)]
+    assert padded == [18, 18]  # this tiny step gains nothing; a step of mixed lengths does:
+    lengths = [1, 30, 2, 29, 3, 28, 4, 27]
+    mixed = [GroupSamples([9], [Rollout([5] * n, [-1.0] * n, 0.0) for n in lengths])]
+    sizes = [
+        [mb.input_ids.shape[1] for mb in build_micro_batches(mixed, 2, PAD, by_length=flag)]
+        for flag in (True, False)
+    ]
+    assert sizes == [[3, 5, 29, 31], [31, 30, 29, 28]]
+
+
 def test_step_batch_is_the_completion_layout() -> None:
     sb = StepBatch.from_groups(_groups())
     assert sb.group_size == 2
