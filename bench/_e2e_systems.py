@@ -41,9 +41,13 @@ class Task:
     kl_coef: float
     micro_batch_size: int
     dtype: str = "float32"
-    """Compute dtype of both systems ("float32" or "bfloat16"): rlfabric's `model.dtype` (learner
-    forward/backward over float32 master weights, and the vLLM replica), TRL's `bf16` (autocast over
-    float32 weights, generation included)."""
+    """Compute dtype of both systems ("float32" or "bfloat16"): rlfabric's `model.dtype` (the vLLM
+    replica's weights, and the learner's forward/backward over float32 master weights); for TRL the model
+    loaded in bfloat16 (its `bf16=True` alone changes nothing on a CPU: neither generation nor training
+    runs under autocast there, measured: identical samples and step times to float32)."""
+    max_staleness: int = 1
+    """rlfabric's policy lag bound (1: generation of the next step overlaps training; 0: on-policy, in
+    turn, as TRL). TRL has no such knob: it always generates with the current weights."""
     seed: int = 0
     threads: int = 2
     """torch threads of the TRL process (the machine's cores)."""
@@ -51,6 +55,28 @@ class Task:
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.prompts_per_step
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where rlfabric's vLLM replica and learner run on the machine's cores.
+
+    `split` (the default with max_staleness >= 1, when generation overlaps training): vLLM's OpenMP
+    threads bound to core 0, the learner on one torch thread (`rlfabric up`'s default), so each keeps a
+    core. `shared` (the default on-policy, when they take turns): vLLM bound to every core and the
+    learner on as many threads, each using the whole machine in its turn."""
+
+    name: str
+    vllm_cores: str
+    """VLLM_CPU_OMP_THREADS_BIND of the replica, e.g. "0" or "0-1"."""
+    learner_threads: int | None
+    """OMP_NUM_THREADS of the services (the learner's torch threads); None keeps `up`'s default, 1."""
+
+    @classmethod
+    def of(cls, name: str, cores: int, learner_threads: int | None) -> Placement:
+        if name == "split":
+            return cls(name, "0", learner_threads)
+        return cls(name, f"0-{cores - 1}", learner_threads or cores)
 
 
 def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
@@ -68,7 +94,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
         },
         "rollout": {
             "sampling": {"n": task.group_size, "max_tokens": task.max_tokens, "temperature": 1.0},
-            "max_staleness": 1,
+            "max_staleness": task.max_staleness,
         },
         "reward": {"scorer": "python_function", "params": {"function": REWARD_FUNCTION}},
         "algorithm": {
@@ -145,20 +171,28 @@ def run_tree(argv: list[str], log: Path, env: dict[str, str], timeout_s: float) 
 
 
 def run_rlfabric(
-    task: Task, work: Path, *, engine: str, compile_: bool, learner_threads: int | None, timeout_s: float
+    task: Task,
+    work: Path,
+    *,
+    engine: str,
+    compile_: bool,
+    placement: Placement,
+    timeout_s: float,
 ) -> dict[str, Any]:
-    """One `rlfabric up`, vLLM's OpenMP threads bound to core 0. The learner runs one torch thread
-    (`rlfabric up`'s default, so it lands on the other core) unless `learner_threads` sets
-    OMP_NUM_THREADS for the services."""
+    """One `rlfabric up`, its vLLM replica and learner placed on the cores as `placement` says."""
     run_dir = work / "rlfabric"
     run_dir.mkdir(parents=True)
     run_file = run_dir / "run.json"
     run_file.write_text(json.dumps(rlfabric_spec(task, "e2e")))
     argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file), "--run-dir", str(run_dir)]
     argv += ["--no-progress", "--engine", engine, *(["--compile"] if compile_ else [])]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    if learner_threads is not None:
-        env["OMP_NUM_THREADS"] = str(learner_threads)
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": placement.vllm_cores,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    if placement.learner_threads is not None:
+        env["OMP_NUM_THREADS"] = str(placement.learner_threads)
     start, cpu = run_tree(argv, run_dir / "up.out", env, timeout_s)
     end = time.time()
     rows = [json.loads(line) for line in (run_dir / "e2e" / "metrics.jsonl").read_text().splitlines()]

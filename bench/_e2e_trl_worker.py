@@ -82,7 +82,8 @@ def build_trainer(cfg: dict[str, Any], out_dir: Path) -> Any:
         dataloader_num_workers=0,
         bf16=cfg.get("dtype") == "bfloat16",
     )
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    dtype = torch.bfloat16 if cfg.get("dtype") == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
     tokenizer.padding_side = "left"
     return GRPOTrainer(

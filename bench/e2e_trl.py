@@ -34,6 +34,7 @@ path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean n
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import statistics
@@ -45,7 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from _e2e_systems import Task, run_rlfabric, run_trl
+from _e2e_systems import Placement, Task, run_rlfabric, run_trl
 from common import (
     Bar,
     Stats,
@@ -79,10 +80,12 @@ def prepare(work: Path, args: Any) -> Task:
     write_dataset(prompts)
     if args.quick:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
-                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype)  # fmt: skip
+                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
+                    max_staleness=args.max_staleness)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
-                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype)  # fmt: skip
+                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
+                max_staleness=args.max_staleness)  # fmt: skip
 
 
 def measure(
@@ -103,7 +106,7 @@ def measure(
                     where,
                     engine=engine,
                     compile_=args.compile,
-                    learner_threads=args.learner_threads,
+                    placement=placement(args),
                     timeout_s=args.timeout,
                 )
             else:
@@ -113,6 +116,13 @@ def measure(
             print(f"  {brief}", flush=True)
         save(results)
     return results
+
+
+def placement(args: Any) -> Placement:
+    """The cores of rlfabric's replica and learner: `--placement`, by default split when generation
+    overlaps training and shared when the run is on-policy."""
+    name = args.placement or ("shared" if args.max_staleness == 0 else "split")
+    return Placement.of(name, os.cpu_count() or 1, args.learner_threads)
 
 
 def stats(runs: list[dict[str, Any]], key: str, unit: str = "") -> Stats:
@@ -201,6 +211,7 @@ def report(
     machine: dict[str, Any],
 ) -> str:
     per_repeat = cmp["throughput_ratio_per_repeat"]
+    where = placement(args)
     verdict = "met" if cmp["goal_met"] else "missed"
     lines = [
         f"## {NAME}",
@@ -209,8 +220,9 @@ def report(
         f"max {task.max_tokens} completion tokens, lr {task.lr:g}, KL {task.kl_coef:g}, micro-batch "
         f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
         f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
-        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, learner "
-        f"torch threads {args.learner_threads or 1}.",
+        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, "
+        f"{task.dtype}, max_staleness {task.max_staleness}, placement {where.name} (vLLM on cores "
+        f"{where.vllm_cores}, learner torch threads {where.learner_threads or 1}); TRL {task.dtype}.",
         "",
         markdown_table(HEADERS, table_rows(results)),
         "",
@@ -264,16 +276,31 @@ def parse_args() -> Any:
         help="compute dtype of both systems, over float32 master weights (default float32)",
     )
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="rlfabric's policy lag (default 1: generation overlaps training; 0: on-policy, in turn)",
+    )
     parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
+    parser.add_argument(
+        "--placement",
+        choices=["split", "shared"],
+        help="rlfabric's cores: split (vLLM on core 0, learner 1 thread; default with --max-staleness >= 1) "
+        "or shared (vLLM on every core, learner on as many threads; default with --max-staleness 0)",
+    )
     parser.add_argument(
         "--learner-threads",
         type=int,
-        help="OMP_NUM_THREADS of rlfabric's services (default: rlfabric up's, 1)",
+        help="OMP_NUM_THREADS of rlfabric's services (default: the placement's)",
     )
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run (default both)"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (every run's logs and metrics.jsonl)"
+    )
     return parser.parse_args()
 
 
@@ -288,7 +315,10 @@ def main() -> int:
         write_all(results, task, args, machine, started)
 
     results = measure(task, effective_repeats(args), work, args, save)  # on failure `work` keeps the logs
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        print(f"work directory kept: {work}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     print(write_all(results, task, args, machine, started))
     return 0
 
@@ -304,7 +334,7 @@ def write_all(
         "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
         "preset": "tiny" if args.quick else "bench",
         "vllm_compiled": bool(args.compile and not args.quick),
-        "learner_threads": args.learner_threads or 1,
+        "placement": asdict(placement(args)),
         "goal": GOAL,
         "comparison": cmp,
         "runs": results,

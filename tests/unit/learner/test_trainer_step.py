@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,35 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(tiny_model_dir: Pat
     metrics = trainer.train_step([GroupSamples([10, 11], [cut, done, cut, done])])
     assert metrics["tokens"] == 6
     assert metrics["response_length_mean"] == pytest.approx(9.5)
+
+
+def test_bfloat16_on_cpu_attends_in_float32_and_matches_float32_attention(
+    tiny_model_dir: Path, world: World
+) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlfabric.learner.parts import FLOAT32_ATTENTION, load_model, sdpa_in_float32
+
+    model = load_model(tiny_model_dir, CPU, torch.bfloat16, trainable=True, checkpointing=False)
+    assert model.config._attn_implementation == FLOAT32_ATTENTION
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    module = model.model.layers[0].self_attn
+    out, _ = sdpa_in_float32(module, q, k, v, None, is_causal=True)
+    expected, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected.to(torch.bfloat16), atol=0, rtol=0)
+    fp32_model = load_model(tiny_model_dir, CPU, torch.float32, trainable=True, checkpointing=False)
+    assert fp32_model.config._attn_implementation == "sdpa"
+
+
+def test_a_bfloat16_step_on_cpu_learns(tiny_model_dir: Path, world: World) -> None:
+    spec = make_spec(tiny_model_dir, model={"path": str(tiny_model_dir), "dtype": "bfloat16"})
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    group = GroupSamples([10, 11], [Rollout([20] * 4, [-1.0] * 4, 1.0), Rollout([30] * 4, [-1.0] * 4, 0.0)])
+    before = trainer.sequence_logprobs([group])
+    for _ in range(3):
+        metrics = trainer.train_step([group])
+    after = trainer.sequence_logprobs([group])
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
