@@ -1,6 +1,7 @@
 """End-to-end GRPO: rlfabric (`rlfabric up`, every service a real process) against TRL's GRPOTrainer.
 
-    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--compile] [--quick] [--output-dir bench/results]
+    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--dtype float32|bfloat16] [--max-staleness 1]
+                            [--placement split|shared] [--compile] [--quick] [--output-dir bench/results]
 
 Both systems train the same locally made model (`bench` preset, 24M parameters, float32; `tiny` in
 quick mode) on the same prompts (the demo's 72 plain-text instructions to write the letter x) with the
@@ -11,9 +12,10 @@ steps. TRL needs the `bench` extra (`pip install -e .[bench]`).
 
 How each one runs on the machine's two cores:
 
-- rlfabric: redis-server, the reward service, one vLLM replica (OpenMP threads bound to core 0,
-  eager unless --compile), the learner (one torch thread) and the coordinator; generation of the
-  next step overlaps training (`max_staleness` 1);
+- rlfabric: redis-server, the reward service, one vLLM replica (eager unless --compile), the learner
+  and the coordinator; by default generation of the next step overlaps training (`max_staleness` 1)
+  with the replica's OpenMP threads bound to core 0 and the learner on one torch thread (placement
+  `split`); on-policy (`--max-staleness 0`) they take turns, each on every core (placement `shared`);
 - TRL: one process, torch on both cores, `transformers.generate` then the training step, in turn
   (TRL's default; its vLLM modes need a CUDA device).
 

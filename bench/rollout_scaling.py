@@ -21,8 +21,8 @@ request until its last sample) at each max_tokens with the base n, and at each n
 every cell once per repeat, in rotating order; ratios against the base cell of the same repeat.
 
 Sampling is at temperature 1 and unseeded (see bench/rollout_service.py: seeded requests kill vLLM 0.32's
-CPU engine when a prefill is chunked). The proto's SamplingParams has neither `ignore_eos` nor
-`min_tokens`, so a random-init model stops at end-of-sequence early: every figure counts the tokens
+CPU engine when a prefill is chunked) and with `ignore_eos`, so every completion is max_tokens long
+(a random-init model would otherwise stop at end-of-sequence early); every figure counts the tokens
 actually generated, and the tables give the mean completion length of each cell.
 
 vLLM runs eager unless `--compiled`; `--quick` runs the `tiny` model on the transformers reference engine
@@ -240,11 +240,15 @@ async def drive(stubs: dict[str, Any], pool: dict[str, Replica], requests: list[
 
 
 def group_requests(tag: str, load: Load) -> list[Any]:
-    """`load.prompts` one-prompt requests (the same prompts every time: make_prompts is seeded)."""
+    """`load.prompts` one-prompt requests (the same prompts every time: make_prompts is seeded), each
+    sampled to exactly max_tokens (`ignore_eos`), so that every cell does the work its label says."""
     from rlfabric.common.tiny_model import PRESETS
 
     prompts = make_prompts(load, PRESETS[load.preset].vocab_size)
-    return [generate_request(f"{tag}-g{i}", [p], load) for i, p in enumerate(prompts)]
+    requests = [generate_request(f"{tag}-g{i}", [p], load) for i, p in enumerate(prompts)]
+    for request in requests:
+        request.sampling.ignore_eos = True
+    return requests
 
 
 # --- (a) replicas and (b) the cost curve -----------------------------------------------------------------
@@ -424,9 +428,7 @@ def cost_section(payload: dict[str, Any]) -> list[str]:
         f"One cell = {plan['curve_groups']} groups, all in flight; s / group = wall time / groups; group "
         "latency = median over the groups of request to last sample. Ratios: median of the per-repeat "
         f"ratios against the base cell; {payload['repeats']} repeats, cells in rotating order. "
-        "**End-of-sequence is not ignored** (the proto's SamplingParams has no `ignore_eos` or "
-        "`min_tokens`): the random-init model stops early, so completions are shorter than max_tokens; "
-        "see the mean completion column.",
+        "Sampled with `ignore_eos`: every completion runs to max_tokens (see the mean completion column).",
         markdown_table(headers, rows),
     ]
 

@@ -88,7 +88,9 @@ def make_requests(scorer: str, batch_size: int, distinct: int) -> list[reward_pb
 
 
 class RewardUser(User):
-    """One stream of back-to-back Score calls on its own channel."""
+    """One stream of back-to-back Score calls on its own channel and connection (as separate trainers
+    would be; without a local subchannel pool gRPC would share one connection between every user, and
+    a service with several server processes would see a single one of them loaded)."""
 
     host = os.environ.get("LOCUST_HOST", "127.0.0.1:50052")
     wait_time = constant(0)
@@ -100,7 +102,7 @@ class RewardUser(User):
         requests = make_requests(self.scorer, options.batch_size, options.distinct_items)
         offset = random.randrange(len(requests))
         self.requests = itertools.cycle(requests[offset:] + requests[:offset])  # users start apart
-        self.channel = grpc.insecure_channel(self.host)
+        self.channel = grpc.insecure_channel(self.host, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
 
     def on_stop(self) -> None:

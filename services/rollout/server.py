@@ -174,4 +174,5 @@ def sampling_from_proto(s: rollout_pb2.SamplingParams) -> SamplingSettings:
         max_tokens=s.max_tokens,
         stop=tuple(s.stop),
         seed=s.seed if s.HasField("seed") else None,
+        ignore_eos=s.ignore_eos,
     )

@@ -76,7 +76,7 @@ def stub(parts: Parts) -> rollout_pb2_grpc.RolloutServiceStub:
 
 
 def request(
-    n: int = 2, max_tokens: int = 8, request_id: str = "r1", **sampling: float
+    n: int = 2, max_tokens: int = 8, request_id: str = "r1", **sampling: float | bool
 ) -> rollout_pb2.GenerateRequest:
     prompts = [
         rollout_pb2.GeneratePrompt(prompt_id="p0", prompt=common_pb2.Prompt(text="hello")),
@@ -142,6 +142,13 @@ async def test_generate_streams_n_samples_per_prompt_with_logprobs(
         assert s.prompt_id == ("p0", "p1")[s.prompt_index]
         expected = reference_logprobs(sd, tiny_model_dir, list(s.prompt_token_ids), list(s.token_ids))
         assert torch.allclose(torch.tensor(list(s.logprobs)), expected, atol=1e-4)
+
+
+async def test_ignore_eos_generates_every_completion_to_max_tokens(replica: Parts) -> None:
+    samples = await collect(replica, request(n=4, max_tokens=24, ignore_eos=True))
+    assert len(samples) == 8
+    assert {len(s.token_ids) for s in samples} == {24}
+    assert {s.finish_reason for s in samples} == {common_pb2.FINISH_REASON_LENGTH}
 
 
 @pytest.mark.parametrize(
@@ -284,11 +291,7 @@ async def test_replica_starts_on_the_latest_committed_version(
 
 
 async def test_cancelled_generate_aborts_engine_work(replica: Parts) -> None:
-    call = stub(replica).Generate(
-        request(n=8, max_tokens=32, request_id="cancel-me", ignore_eos=True)
-        if False
-        else request(n=8, max_tokens=32, request_id="cancel-me")
-    )
+    call = stub(replica).Generate(request(n=8, max_tokens=32, request_id="cancel-me", ignore_eos=True))
     first = await call.read()
     assert first is not grpc.aio.EOF
     call.cancel()
