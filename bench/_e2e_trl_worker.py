@@ -61,7 +61,7 @@ def build_trainer(cfg: dict[str, Any], out_dir: Path) -> Any:
     samples = cfg["prompts_per_step"] * cfg["group_size"]
     args = GRPOConfig(
         output_dir=str(out_dir),
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         seed=cfg["seed"],
         max_steps=cfg["steps"],
         per_device_train_batch_size=micro,

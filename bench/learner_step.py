@@ -111,11 +111,12 @@ def run_spec(model_dir: Path, load: Load) -> Any:
 class PlainLoop:
     """The baseline: a single-process torch training loop with no framework around it."""
 
-    def __init__(self, model_dir: Path, load: Load) -> None:
+    def __init__(self, model_dir: Path, load: Load, device: Any) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
         self.model.config.use_cache = False
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
@@ -128,8 +129,10 @@ class PlainLoop:
 
         from rlfabric.learner.batch import build_micro_batches
 
-        micro_batches = build_micro_batches(groups, self.micro_batch, self.pad_id)
-        advantages = group_centred_rewards(groups)
+        micro_batches = [
+            mb.to(self.device) for mb in build_micro_batches(groups, self.micro_batch, self.pad_id)
+        ]
+        advantages = group_centred_rewards(groups).to(self.device)
         count = sum(float(mb.loss_mask.sum()) for mb in micro_batches)
         total = 0.0
         for mb in micro_batches:
@@ -156,8 +159,12 @@ def group_centred_rewards(groups: Sequence[Any]) -> Any:
 
 
 def timed(step: Any, groups: Sequence[Any]) -> float:
+    import torch
+
     start = time.perf_counter()
     step(groups)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the step's last kernels (the optimizer's) may still be queued
     return time.perf_counter() - start
 
 
@@ -168,10 +175,11 @@ def measure(load: Load, repeats: int, workdir: Path) -> dict[str, Any]:
     from rlfabric.learner.dist import destroy_distributed, init_distributed
     from rlfabric.learner.trainer import Trainer
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = make_model(load.preset, workdir / "model")
-    plain = PlainLoop(model_dir, load)
-    world = init_distributed(torch.device("cpu"))
-    trainer = Trainer(run_spec(model_dir, load), model_dir, device=torch.device("cpu"), world=world)
+    plain = PlainLoop(model_dir, load, device)
+    world = init_distributed(device)
+    trainer = Trainer(run_spec(model_dir, load), model_dir, device=device, world=world)
     steps = make_steps(load, repeats + 1, plain.model.config.vocab_size)
     sides = {"learner": trainer.train_step, "plain": plain.train_step}
     seconds: dict[str, list[float]] = {"learner": [], "plain": []}
@@ -192,6 +200,7 @@ def measure(load: Load, repeats: int, workdir: Path) -> dict[str, Any]:
         "load": asdict(load),
         "completion_tokens_per_step": tokens,
         "torch_threads": torch.get_num_threads(),
+        "device": device.type,
         "tokens_per_s": {side: stats.to_dict() for side, stats in throughput.items()},
         "ratio": ratio(throughput["learner"].median, throughput["plain"].median),
         "ratio_per_step": Stats.of(step_ratios, "x").to_dict(),

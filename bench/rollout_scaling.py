@@ -6,8 +6,7 @@ reserved): `r01` on cores 0-1, `r0` on core 0, `r1` on core 1. On a 2-core machi
 means one replica's model worker per core against one worker spanning both. The binding covers the
 worker's OpenMP threads only: each replica's gRPC front end and vLLM engine-core processes may run on
 either core. vLLM's engine keeps polling for about a second after its last request, so every drive
-starts once the replicas are quiet; the CPU seconds of every replica's process tree are measured during
-each drive (the idle ones' should be ~0).
+starts once the replicas are quiet; each drive measures every replica tree's CPU seconds (idle: ~0).
 
 (a) Replicas. The same load, G groups (one token-id prompt with n samples each, one `Generate` per group,
 as the coordinator sends them), goes to `r01` alone and to `r0` + `r1` together, alternately repeat by

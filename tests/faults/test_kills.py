@@ -33,7 +33,9 @@ def in_flight_on(stack: Stack, replica_id: str) -> int:
 
 
 def test_rollout_replica_sigkilled_mid_generation(make_stack: Callable[..., Stack]) -> None:
-    stack = make_stack()
+    # 24 steps, not the default 6: the learner trains the default run faster than the poll below can
+    # catch rollout-0 holding a request (the run once completed before it was seen generating).
+    stack = make_stack(train={"steps": 24})
     stack.start(replicas=2)
     stack.wait_for_step(1)
     stack.wait(lambda: in_flight_on(stack, "rollout-0") > 0, 60, "rollout-0 generating")
