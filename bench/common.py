@@ -152,6 +152,21 @@ def write_results(output_dir: Path, name: str, payload: dict[str, Any], markdown
     return paths
 
 
+def report_results(
+    output_dir: Path,
+    name: str,
+    payload: dict[str, Any],
+    markdown: str,
+    plot: Callable[[dict[str, Any], Path], Path | None] | None = None,
+) -> None:
+    """A benchmark's ending: `<name>.json` and `<name>.md`, the plot `plot(payload, <name>.png)` when
+    given, then the markdown and the files written, on stdout."""
+    paths = write_results(output_dir, name, payload, markdown)
+    image = plot(payload, output_dir / f"{name}.png") if plot is not None else None
+    print(markdown)
+    print(f"\nwrote {paths['json']}, {paths['md']}" + (f", {image}" if image else ""))
+
+
 @dataclass(frozen=True)
 class Bar:
     """One bar of a bar plot: its median and its min/max whiskers."""

@@ -36,7 +36,7 @@ from common import (
     machine_line,
     markdown_table,
     ratio,
-    write_results,
+    report_results,
 )
 
 NAME = "learner_step"
@@ -247,10 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {"machine": machine, "quick": args.quick, "repeats": repeats, "goal": GOAL, "result": result}
     payload["goal_met"] = result["ratio"] >= GOAL
     markdown = render_markdown(payload)
-    paths = write_results(args.output_dir, NAME, payload, markdown)
-    plot(payload, args.output_dir / f"{NAME}.png")
-    print(markdown)
-    print(f"\nwrote {paths['json']}, {paths['md']}")
+    report_results(args.output_dir, NAME, payload, markdown, plot)
     return 0
 
 

@@ -49,7 +49,7 @@ from common import (
     machine_info,
     percentile,
     ratio,
-    write_results,
+    report_results,
 )
 
 from rlfabric.common.procs import ServiceProcess
@@ -465,10 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
     result = run(Sizes.for_run(args.quick), effective_repeats(args), args.quick)
     markdown = render_markdown(result)
-    paths = write_results(args.output_dir, NAME, result, markdown)
-    image = plot(result, args.output_dir / f"{NAME}.png")
-    print(markdown)
-    print(f"\nwrote {paths['json']}, {paths['md']}" + (f", {image}" if image else ""))
+    report_results(args.output_dir, NAME, result, markdown, plot)
     return 0
 
 

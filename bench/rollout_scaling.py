@@ -59,7 +59,7 @@ from common import (
     machine_line,
     markdown_table,
     ratio,
-    write_results,
+    report_results,
 )
 from rollout_service import (
     Load,
@@ -489,10 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": asdict(plan), "bindings": BINDINGS, "result": result,
     }  # fmt: skip
     markdown = render_markdown(payload)
-    paths = write_results(args.output_dir, NAME, payload, markdown)
-    plot(payload, args.output_dir / f"{NAME}.png")
-    print(markdown)
-    print(f"\nwrote {paths['json']}, {paths['md']}")
+    report_results(args.output_dir, NAME, payload, markdown, plot)
     return 0
 
 

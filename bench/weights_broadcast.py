@@ -35,7 +35,7 @@ from common import (
     machine_info,
     machine_line,
     markdown_table,
-    write_results,
+    report_results,
 )
 from common import ratio as safe_ratio
 
@@ -254,9 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = sender(sizes, repeats, args.bucket_mib)
     payload = {"machine": machine, "repeats": repeats, "buckets_mib": args.bucket_mib, "sizes": results}
     markdown = render_markdown(payload)
-    paths = write_results(args.output_dir, NAME, payload, markdown)
-    print(markdown)
-    print(f"\nwrote {paths['json']}, {paths['md']}")
+    report_results(args.output_dir, NAME, payload, markdown)
     return 0
 
 

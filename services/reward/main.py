@@ -53,10 +53,10 @@ async def run(
 
 
 def serve(config: RewardServiceConfig) -> int:
-    setup_logging("reward", config.log.level, config.log.format)
     if config.processes > 1:
         from rlfabric.reward.supervisor import supervise
 
+        setup_logging("reward", config.log.level, config.log.format)
         return supervise(config)
     if config.server.metrics_port is not None:
         port = start_metrics_server(config.server.host, config.server.metrics_port)
