@@ -48,6 +48,10 @@ class Task:
     max_staleness: int = 1
     """rlfabric's policy lag bound (1: generation of the next step overlaps training; 0: on-policy, in
     turn, as TRL). TRL has no such knob: it always generates with the current weights."""
+    old_policy: str = "trainer"
+    """rlfabric's `algorithm.old_policy`: what its PPO ratio is taken against ("rollout": the engine's
+    log-probs, so stale samples are clipped against the policy that generated them). TRL generates with
+    the current weights and takes one step per batch: its ratio is 1."""
     seed: int = 0
     threads: int = 2
     """torch threads of the TRL process (the machine's cores)."""
@@ -59,23 +63,32 @@ class Task:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where rlfabric's vLLM replica and learner run on the machine's cores.
+    """Where rlfabric's vLLM replicas and learner run on the machine's cores.
 
-    `split` (the default with max_staleness >= 1, when generation overlaps training): vLLM's OpenMP
-    threads bound to core 0, the learner on one torch thread (`rlfabric up`'s default), so each keeps a
-    core. `shared` (the default on-policy, when they take turns): vLLM bound to every core and the
-    learner on as many threads, each using the whole machine in its turn."""
+    `split` (the default with max_staleness >= 1, when generation overlaps training): one replica, its
+    OpenMP threads bound to core 0, the learner on one torch thread (`rlfabric up`'s default), so each
+    keeps a core. `shared`: one replica bound to every core and the learner on as many threads, each using
+    the whole machine in its turn. `per-core` (the default on-policy, when they take turns): one replica
+    per core, each bound to its own (vLLM's CPU engine steps one sequence batch at a time in one Python
+    loop, so on a small model a second core barely speeds one replica up, while a second replica doubles
+    the loops), and the learner on every core in its turn."""
 
     name: str
     vllm_cores: str
-    """VLLM_CPU_OMP_THREADS_BIND of the replica, e.g. "0" or "0-1"."""
+    """VLLM_CPU_OMP_THREADS_BIND of each replica, '|' between replicas, e.g. "0", "0-1" or "0|1"."""
     learner_threads: int | None
     """OMP_NUM_THREADS of the services (the learner's torch threads); None keeps `up`'s default, 1."""
+    replicas: int = 1
+    learner_ranks: int = 1
+    """Learner processes (`rlfabric up --learner-ranks`: FSDP2 data parallel over gloo)."""
 
     @classmethod
     def of(cls, name: str, cores: int, learner_threads: int | None) -> Placement:
         if name == "split":
             return cls(name, "0", learner_threads)
+        if name == "per-core":
+            bind = "|".join(str(c) for c in range(cores))
+            return cls(name, bind, learner_threads or cores, replicas=cores)
         return cls(name, f"0-{cores - 1}", learner_threads or cores)
 
 
@@ -101,6 +114,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
             "advantage": "grpo",
             "loss_aggregation": "token_mean",
             "kl": {"coef": task.kl_coef, "estimator": "k3"},
+            "old_policy": task.old_policy,
         },
         "optim": {"lr": task.lr, "schedule": "constant", "grad_clip": 1.0},
         "train": {
@@ -186,11 +200,9 @@ def run_rlfabric(
     run_file.write_text(json.dumps(rlfabric_spec(task, "e2e")))
     argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file), "--run-dir", str(run_dir)]
     argv += ["--no-progress", "--engine", engine, *(["--compile"] if compile_ else [])]
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": placement.vllm_cores,
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
+    argv += ["--replicas", str(placement.replicas), "--replica-cores", placement.vllm_cores]
+    argv += ["--learner-ranks", str(placement.learner_ranks)]
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     if placement.learner_threads is not None:
         env["OMP_NUM_THREADS"] = str(placement.learner_threads)
     start, cpu = run_tree(argv, run_dir / "up.out", env, timeout_s)

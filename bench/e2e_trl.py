@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,11 @@ def prepare(work: Path, args: Any) -> Task:
     if args.quick:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
                     lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
-                    max_staleness=args.max_staleness)  # fmt: skip
+                    max_staleness=args.max_staleness, old_policy=args.old_policy)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-                max_staleness=args.max_staleness)  # fmt: skip
+                max_staleness=args.max_staleness, old_policy=args.old_policy)  # fmt: skip
 
 
 def measure(
@@ -123,8 +123,9 @@ def measure(
 def placement(args: Any) -> Placement:
     """The cores of rlfabric's replica and learner: `--placement`, by default split when generation
     overlaps training and shared when the run is on-policy."""
-    name = args.placement or ("shared" if args.max_staleness == 0 else "split")
-    return Placement.of(name, os.cpu_count() or 1, args.learner_threads)
+    name = args.placement or ("per-core" if args.max_staleness == 0 else "split")
+    where = Placement.of(name, os.cpu_count() or 1, args.learner_threads)
+    return replace(where, learner_ranks=args.learner_ranks) if args.learner_ranks else where
 
 
 def stats(runs: list[dict[str, Any]], key: str, unit: str = "") -> Stats:
@@ -284,17 +285,28 @@ def parse_args() -> Any:
         default=1,
         help="rlfabric's policy lag (default 1: generation overlaps training; 0: on-policy, in turn)",
     )
+    parser.add_argument(
+        "--old-policy",
+        choices=["trainer", "rollout"],
+        default="trainer",
+        help="rlfabric's algorithm.old_policy: the PPO ratio against the learner's log-probs (default, "
+        "with TIS) or the engine's (the behaviour policy: stale samples are clipped against it)",
+    )
     parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
     parser.add_argument(
         "--placement",
-        choices=["split", "shared"],
-        help="rlfabric's cores: split (vLLM on core 0, learner 1 thread; default with --max-staleness >= 1) "
-        "or shared (vLLM on every core, learner on as many threads; default with --max-staleness 0)",
+        choices=["split", "shared", "per-core"],
+        help="rlfabric's cores: split (one vLLM replica on core 0, learner 1 thread; default with "
+        "--max-staleness >= 1), shared (one replica on every core, learner on as many threads) or per-core "
+        "(a replica on each core, learner on every core; default with --max-staleness 0)",
     )
     parser.add_argument(
         "--learner-threads",
         type=int,
         help="OMP_NUM_THREADS of rlfabric's services (default: the placement's)",
+    )
+    parser.add_argument(
+        "--learner-ranks", type=int, help="rlfabric's learner processes (default: the placement's)"
     )
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run (default both)"

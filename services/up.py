@@ -64,7 +64,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine", choices=["vllm", "transformers"], default="vllm", help="rollout engine (default vllm)"
     )
     parser.add_argument("--compile", action="store_true", help="let vLLM compile (slower start, faster run)")
+    parser.add_argument(
+        "--replica-cores",
+        type=replica_cores,
+        help="CPU cores of each replica's vLLM threads, '|' between replicas: replica i takes entry i modulo "
+        "their count, e.g. '0|1' puts one replica on each of two cores (default: vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND from the environment, else unbound)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")
+
+
+def replica_cores(text: str) -> list[str]:
+    """`--replica-cores`: one VLLM_CPU_OMP_THREADS_BIND value per replica ("0|1", "0-3|4-7")."""
+    entries = [e.strip() for e in text.split("|")]
+    for entry in entries:
+        parts = [p for chunk in entry.split(",") for p in chunk.split("-")]
+        if not entry or not all(p.isdigit() for p in parts):
+            raise argparse.ArgumentTypeError(f"expected core lists like '0|1' or '0-3|4-7', got {text!r}")
+    return entries
 
 
 def free_port() -> int:
@@ -208,7 +225,10 @@ def replica_process(
     ]  # fmt: skip
     for setting in settings:
         argv += ["--set", setting]
-    return stack.process(f"rollout-{i}", argv, vllm_env(stack.run_dir, compile_=args.compile))
+    env = vllm_env(stack.run_dir, compile_=args.compile)
+    if args.replica_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.replica_cores[i % len(args.replica_cores)]
+    return stack.process(f"rollout-{i}", argv, env)
 
 
 def start_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> None:

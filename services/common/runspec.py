@@ -176,6 +176,12 @@ class AlgorithmSpec(StrictModel):
     """Use the sequence-level (geometric mean) importance ratio of GSPO."""
     tis_cap: float | None = Field(default=2.0, gt=0.0)
     """Truncated importance sampling cap against the rollout logprobs; None disables the correction."""
+    old_policy: Literal["trainer", "rollout"] = "trainer"
+    """The policy the PPO ratio is taken against. `trainer`: the learner's own log-probs before the
+    step (a ratio of 1 with one epoch), and TIS corrects for the engine's samples. `rollout`: the
+    engine's log-probs of the sampled tokens, i.e. the behaviour policy that generated them, so the clip
+    bounds how far a step moves from it however stale the samples are (asynchronous runs); the ratio is
+    then the importance weight itself and TIS is not applied on top."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     kl: KLSpec = Field(default_factory=KLSpec)

@@ -127,10 +127,15 @@ def compute_dtype(spec_dtype: str, device: torch.device) -> torch.dtype:
 
 
 def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
-    """FSDP2: shard each decoder layer (the model's `_no_split_modules`), then the root."""
+    """FSDP2: shard each decoder layer (the model's `_no_split_modules`), then the root.
+
+    In a world of one there is nothing to free between forward and backward (the shard is the whole
+    parameter), so the layers stay unsharded after the forward: the backward reuses the forward's
+    low-precision copies instead of casting the parameters again."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    reshard = dist.get_world_size() > 1
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_types:
-            fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)

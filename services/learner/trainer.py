@@ -353,9 +353,12 @@ class Trainer:
         """Loss of one micro-batch, weighted into the step's aggregate, backpropagated. Returns sums."""
         algo, mask = self.spec.algorithm, mb.extras["train_mask"]
         logp, entropy = self._logprobs(self.model, mb, entropy_grad=algo.entropy_coef != 0)
-        old_logp = mb.extras.get("old_logp", logp.detach())
+        if algo.old_policy == "rollout":
+            old_logp, rollout_logp = mb.rollout_logprobs, None  # the ratio is the importance weight
+        else:
+            old_logp, rollout_logp = mb.extras.get("old_logp", logp.detach()), mb.rollout_logprobs
         pg_loss, stats = policy_loss(
-            logp, old_logp, mb.extras["advantages"], mask, self.loss_config, mb.rollout_logprobs
+            logp, old_logp, mb.extras["advantages"], mask, self.loss_config, rollout_logp
         )
         kl_tokens = self._kl_tokens(logp, mb)
         loss = pg_loss + self._kl_loss(kl_tokens, mask) + self._entropy_loss(entropy, mask)

@@ -276,3 +276,95 @@ def test_a_bfloat16_step_on_cpu_learns(tiny_model_dir: Path, world: World) -> No
     after = trainer.sequence_logprobs([group])
     assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_no_grad_passes_attend_in_bfloat16_and_a_frozen_model_is_held_in_it(
+    tiny_model_dir: Path, world: World
+) -> None:
+    """Forward-only passes (the reference, old log-probs) skip the float32 detour, whose gain is in the
+    backward; a frozen model in a world of one is held in the compute dtype, unsharded, and computes
+    exactly what the sharded mixed-precision policy computes."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlfabric.learner.parts import load_model, sdpa_in_float32
+
+    frozen = load_model(tiny_model_dir, CPU, torch.bfloat16, trainable=False, checkpointing=False)
+    policy = load_model(tiny_model_dir, CPU, torch.bfloat16, trainable=True, checkpointing=False)
+    assert not isinstance(frozen, FSDPModule) and isinstance(policy, FSDPModule)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    module = frozen.model.layers[0].self_attn
+    with torch.no_grad():
+        out, _ = sdpa_in_float32(module, q, k, v, None, is_causal=True)
+        native, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True)
+    torch.testing.assert_close(out, native, atol=0, rtol=0)
+    ids = torch.tensor([[10, 11, 12, 40, 41, 42, 43, 44]])
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        got = frozen(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def _own_logprobs(model_dir: Path, groups: list[GroupSamples]) -> list[list[list[float]]]:
+    """The float32 model's log-prob of every completion token: [group][sample][token]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    for group in groups:
+        rows = []
+        for rollout in group.rollouts:
+            ids = torch.tensor([group.prompt_token_ids + rollout.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0], dim=-1)
+            p = len(group.prompt_token_ids)
+            rows.append([float(logp[p - 1 + j, tok]) for j, tok in enumerate(rollout.token_ids)])
+        out.append(rows)
+    return out
+
+
+def _with_logprobs(groups: list[GroupSamples], logprobs: list[list[list[float]]]) -> list[GroupSamples]:
+    return [
+        GroupSamples(
+            g.prompt_token_ids,
+            [Rollout(r.token_ids, lp, r.reward) for r, lp in zip(g.rollouts, rows, strict=True)],
+            g.group_id,
+        )
+        for g, rows in zip(groups, logprobs, strict=True)
+    ]
+
+
+def test_old_policy_rollout_takes_the_ratio_against_the_engine_logprobs(
+    tiny_model_dir: Path, world: World
+) -> None:
+    """With `old_policy: rollout` the PPO ratio is pi / pi_rollout: engine log-probs equal to the
+    trainer's own give the on-policy gradient exactly; log-probs that put every token's ratio past the
+    clip in its advantage's direction (the policy already moved that way) leave no gradient at all."""
+    groups = random_groups(3)
+    own = _own_logprobs(tiny_model_dir, groups)
+    no_kl = {"kl": {"coef": 0.0}}
+    spec = make_spec(tiny_model_dir, algorithm={**no_kl, "old_policy": "rollout"})
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    trainer.accumulate_gradients(_with_logprobs(groups, own))
+    got = _grads(trainer)
+    baseline = Trainer(make_spec(tiny_model_dir, algorithm={**no_kl, "tis_cap": None}), tiny_model_dir,
+                       device=CPU, world=world)  # fmt: skip
+    baseline.accumulate_gradients(groups)
+    for name, grad in _grads(baseline).items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+    def moved(group: GroupSamples, rows: list[list[float]]) -> list[list[float]]:
+        mean = sum(r.reward for r in group.rollouts) / len(group.rollouts)
+        # reward above the group's mean: positive advantage, ratio e^3 > 1 + eps; below: e^-3 < 1 - eps
+        shift = [-3.0 if r.reward > mean else 3.0 for r in group.rollouts]
+        return [[lp + d for lp in row] for d, row in zip(shift, rows, strict=True)]
+
+    far = [moved(g, rows) for g, rows in zip(groups, own, strict=True)]
+    metrics = trainer.accumulate_gradients(_with_logprobs(groups, far))
+    assert metrics["clip_fraction"] > 0.5
+    for name, grad in _grads(trainer).items():
+        assert grad.abs().max() == 0, name
+    trainer.accumulate_gradients(_with_logprobs(groups, own))
+    assert any(grad.abs().max() > 0 for grad in _grads(trainer).values())
