@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,15 @@ def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
         if type(module).__name__ in layer_types:
             fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def reshard(model: nn.Module) -> None:
+    """Return every FSDP unit of `model` to its sharded parameters (a no-op where already sharded).
+
+    In a world of one a forward-only pass leaves the layers unsharded (see `shard_model`), holding
+    compute-dtype copies of the weights: anything that changes or reads the weights (an optimizer step, a
+    checkpoint, a state dict) reshards first, so it acts on the master weights and the next forward
+    re-casts them."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from rlfabric.common.runspec import OptimSpec, RunSpec
 from rlfabric.learner.algorithms import entropy_from_logits
-from rlfabric.learner.dist import shard_model
+from rlfabric.learner.dist import reshard, shard_model
 
 LOGPROB_CHUNK = 1024
 """Positions per chunk when turning logits into log-probs: bounds the float32 copy of the logits."""
@@ -136,6 +136,7 @@ def clip_and_step(
     model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler, clip: float | None
 ) -> tuple[float, float]:
     """Clip `model`'s global grad norm, step `optimizer` and `scheduler`; returns (grad_norm, lr used)."""
+    reshard(model)  # the step updates the master weights; the next forward casts them afresh
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
     if hasattr(norm, "full_tensor"):

@@ -368,3 +368,27 @@ def test_old_policy_rollout_takes_the_ratio_against_the_engine_logprobs(
         assert grad.abs().max() == 0, name
     trainer.accumulate_gradients(_with_logprobs(groups, own))
     assert any(grad.abs().max() > 0 for grad in _grads(trainer).values())
+
+
+def test_forward_only_passes_leave_no_stale_weights_behind(
+    tiny_model_dir: Path, world: World, tmp_path: Path
+) -> None:
+    """In a world of one a forward-only pass keeps the layers unsharded (compute-dtype copies); an
+    optimizer step, a checkpoint loaded or a state dict taken after it must act on the master weights,
+    and the next forward must see them."""
+    spec = make_spec(tiny_model_dir, model={"path": str(tiny_model_dir), "dtype": "bfloat16"})
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    groups = random_groups(5)
+    path = trainer.save_checkpoint(tmp_path)
+    before = trainer.sequence_logprobs(groups)
+    trainer.accumulate_gradients(groups)
+    assert torch.equal(trainer.sequence_logprobs(groups), before)  # forward only, after the backward
+    trainer._optimizer_step()
+    moved = trainer.sequence_logprobs(groups)
+    assert not torch.allclose(moved, before)
+    trainer.load_checkpoint(path)
+    torch.testing.assert_close(trainer.sequence_logprobs(groups), before, atol=0, rtol=0)
+    state = trainer.full_state_dict()
+    fresh = Trainer(spec, tiny_model_dir, device=CPU, world=world).full_state_dict()
+    for name, tensor in fresh.items():
+        torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
