@@ -1,21 +1,27 @@
 """End-to-end GRPO: rlfabric (`rlfabric up`, every service a real process) against TRL's GRPOTrainer.
 
-    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--dtype float32|bfloat16] [--max-staleness 1]
-                            [--placement split|shared] [--compile] [--quick] [--output-dir bench/results]
+    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--lr 2e-3] [--dtype bfloat16|float32]
+                            [--max-staleness 0|1] [--old-policy trainer|rollout]
+                            [--placement split|shared|per-core] [--learner-threads N] [--learner-ranks N]
+                            [--no-compile] [--systems rlfabric trl] [--keep] [--quick]
+                            [--output-dir bench/results]
 
-Both systems train the same locally made model (`bench` preset, 24M parameters, float32; `tiny` in
-quick mode) on the same prompts (the demo's 72 plain-text instructions to write the letter x) with the
-same TRL-signature reward function (`rlfabric.coordinator.demo:letter_reward`) and the same
-hyperparameters: group size, prompts per step, max completion tokens, lr (constant), KL coefficient
-(k3, in the loss), token-mean loss, std-scaled group advantages, gradient clip 1.0, micro-batch size,
-steps. TRL needs the `bench` extra (`pip install -e .[bench]`).
+Both systems train the same locally made model (`bench` preset, 24M parameters; `tiny` in quick mode)
+on the same prompts (the demo's 72 plain-text instructions to write the letter x) with the same
+TRL-signature reward function (`rlfabric.coordinator.demo:letter_reward`) and the same hyperparameters:
+group size, prompts per step, max completion tokens, lr (constant), KL coefficient (k3, in the loss),
+token-mean loss, std-scaled group advantages, gradient clip 1.0, micro-batch size, steps, compute dtype
+(bfloat16 over float32 master weights by default). TRL needs the `bench` extra (`pip install -e .[bench]`).
 
 How each one runs on the machine's two cores:
 
-- rlfabric: redis-server, the reward service, one vLLM replica (eager unless --compile), the learner
-  and the coordinator; by default generation of the next step overlaps training (`max_staleness` 1)
-  with the replica's OpenMP threads bound to core 0 and the learner on one torch thread (placement
-  `split`); on-policy (`--max-staleness 0`) they take turns, each on every core (placement `shared`);
+- rlfabric: redis-server, the reward service, one vLLM replica (compiled unless --no-compile), the
+  learner and the coordinator. By default on-policy, as TRL (`max_staleness` 0): generation and training
+  take turns, each on every core (placement `shared`: the replica's OpenMP threads bound to all cores,
+  the learner on as many torch threads). With `--max-staleness 1` generation of the next step overlaps
+  training, the replica bound to core 0 and the learner on one thread (placement `split`): faster per
+  step, but on this toy task one Adam step moves the policy so far (KL ~1-2 nats/token) that samples one
+  version stale derail the run for a few steps (docs/benchmarks.md);
 - TRL: one process, torch on both cores, `transformers.generate` then the training step, in turn
   (TRL's default; its vLLM modes need a CUDA device).
 
@@ -36,6 +42,7 @@ path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean n
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -123,7 +130,7 @@ def measure(
 def placement(args: Any) -> Placement:
     """The cores of rlfabric's replica and learner: `--placement`, by default split when generation
     overlaps training and shared when the run is on-policy."""
-    name = args.placement or ("per-core" if args.max_staleness == 0 else "split")
+    name = args.placement or ("shared" if args.max_staleness == 0 else "split")
     where = Placement.of(name, os.cpu_count() or 1, args.learner_threads)
     return replace(where, learner_ranks=args.learner_ranks) if args.learner_ranks else where
 
@@ -270,20 +277,21 @@ def parse_args() -> Any:
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max completion tokens (default 128)")
-    parser.add_argument("--lr", type=float, default=5e-3, help="learning rate, constant (default 5e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate, constant (default 2e-3)")
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
-        default="float32",
-        help="compute dtype of both systems, over float32 master weights (default float32)",
+        default="bfloat16",
+        help="compute dtype of both systems, over float32 master weights (default bfloat16)",
     )
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
     parser.add_argument(
         "--max-staleness",
         type=int,
-        default=1,
-        help="rlfabric's policy lag (default 1: generation overlaps training; 0: on-policy, in turn)",
+        default=0,
+        help="rlfabric's policy lag (default 0: on-policy, generation and training in turn, as TRL; 1: "
+        "generation of the next step overlaps training, one version stale)",
     )
     parser.add_argument(
         "--old-policy",
@@ -292,13 +300,18 @@ def parse_args() -> Any:
         help="rlfabric's algorithm.old_policy: the PPO ratio against the learner's log-probs (default, "
         "with TIS) or the engine's (the behaviour policy: stale samples are clipped against it)",
     )
-    parser.add_argument("--compile", action="store_true", help="compiled vLLM (slower start; default eager)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compiled vLLM (default; ~1 min more start-up, excluded from the steady figure) or eager",
+    )
     parser.add_argument(
         "--placement",
         choices=["split", "shared", "per-core"],
         help="rlfabric's cores: split (one vLLM replica on core 0, learner 1 thread; default with "
-        "--max-staleness >= 1), shared (one replica on every core, learner on as many threads) or per-core "
-        "(a replica on each core, learner on every core; default with --max-staleness 0)",
+        "--max-staleness >= 1), shared (one replica on every core, learner on as many threads; default "
+        "with --max-staleness 0) or per-core (a replica on each core, learner on every core)",
     )
     parser.add_argument(
         "--learner-threads",
