@@ -132,7 +132,9 @@ def placement(args: Any) -> Placement:
     overlaps training and shared when the run is on-policy."""
     name = args.placement or ("shared" if args.max_staleness == 0 else "split")
     where = Placement.of(name, os.cpu_count() or 1, args.learner_threads)
-    return replace(where, learner_ranks=args.learner_ranks) if args.learner_ranks else where
+    if args.learner_ranks:
+        where = replace(where, learner_ranks=args.learner_ranks)
+    return replace(where, vllm_cores=args.vllm_cores) if args.vllm_cores else where
 
 
 def stats(runs: list[dict[str, Any]], key: str, unit: str = "") -> Stats:
@@ -320,6 +322,11 @@ def parse_args() -> Any:
     )
     parser.add_argument(
         "--learner-ranks", type=int, help="rlfabric's learner processes (default: the placement's)"
+    )
+    parser.add_argument(
+        "--vllm-cores",
+        help="VLLM_CPU_OMP_THREADS_BIND of rlfabric's replicas, '|' between replicas (default: the "
+        "placement's)",
     )
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run (default both)"
