@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_DIR, child_pids, cpu_seconds
+from common import BENCH_DIR, child_pids, cpu_seconds, machine_cpu_times
 
 REWARD_FUNCTION = "rlfabric.coordinator.demo:letter_reward"
 """The TRL-signature reward both systems call: the fraction of the reply's characters that are "x"."""
@@ -132,6 +132,7 @@ class TreeCpu:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.samples: list[tuple[float, float]] = []  # (epoch seconds, CPU seconds so far)
+        self.machine: list[tuple[float, float, float]] = []  # (epoch seconds, stolen, total CPU seconds)
         self.seen: dict[int, float] = {}  # last CPU reading of every process ever seen (the dead keep it)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -149,7 +150,11 @@ class TreeCpu:
             if cpu is not None:
                 self.seen[pid] = cpu
                 stack += child_pids(pid)
-        self.samples.append((time.time(), sum(self.seen.values())))
+        now = time.time()
+        self.samples.append((now, sum(self.seen.values())))
+        times = machine_cpu_times()
+        if times is not None:
+            self.machine.append((now, *times))
 
     def stop(self) -> None:
         self.done.set()
@@ -159,6 +164,13 @@ class TreeCpu:
         """CPU seconds used by time `t` (the last sample at or before it)."""
         before = [cpu for when, cpu in self.samples if when <= t]
         return before[-1] if before else 0.0
+
+    def stolen_between(self, t0: float, t1: float) -> float:
+        """Share of the machine's CPU time the hypervisor took between `t0` and `t1` (NaN unknown)."""
+        inside = [m for m in self.machine if t0 <= m[0] <= t1]
+        if len(inside) < 2 or inside[-1][2] <= inside[0][2]:
+            return float("nan")
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
     def cores_between(self, t0: float, t1: float) -> float:
         return (self.at(t1) - self.at(t0)) / (t1 - t0) if t1 > t0 else float("nan")
@@ -268,6 +280,7 @@ def summarize(
         "reward_first": first["reward"],
         "samples_trained": sum(s["samples"] for s in steps),
         "cores_used_steady": cpu.cores_between(first["time"], last["time"]),
+        "cpu_stolen_steady": cpu.stolen_between(first["time"], last["time"]),
         "cpu_s_per_sample": (cpu.at(last["time"]) - cpu.at(first["time"]))
         / max(sum(s["samples"] for s in steady), 1.0),
         "split": split(steady),

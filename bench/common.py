@@ -234,6 +234,20 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_times() -> tuple[float, float] | None:
+    """(stolen, total) CPU seconds of the whole machine so far, every CPU summed (Linux /proc/stat);
+    None elsewhere. "Stolen" is the time a virtual machine's CPUs were ready to run but the hypervisor
+    ran something else: on a shared host it slows every process here, and the more so one whose threads
+    wait for each other (OpenMP)."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    ticks = [int(v) for v in first[1:9]]  # user nice system idle iowait irq softirq steal
+    hz = os.sysconf("SC_CLK_TCK")
+    return ticks[7] / hz, sum(ticks) / hz
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of a process (Linux /proc); empty elsewhere."""
     children: list[int] = []

@@ -34,7 +34,10 @@ Each repeat runs both, interleaved (rlfabric first in even repeats). Measured pe
   (timers around its own methods); rlfabric's learner train and publish seconds per step and the
   replica's busy fraction (share of the run it had work in flight: generation overlaps training);
 - cores each system got (CPU seconds of its whole process tree per second): on a shared machine the
-  wall-clock ratio is only as fair as this column is even.
+  wall-clock ratio is only as fair as this column is even;
+- the share of the machine's CPU time the hypervisor took during the steady state (steal time, from
+  /proc/stat), per repeat: on a virtual machine whose host is busy, a two-thread learner or generator
+  loses more than the stolen share, since each OpenMP thread waits at every barrier for the other.
 
 Goal (issue 9): rlfabric >= 1.3x TRL's samples/s at equal or better reward. `--quick` proves the code
 path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean nothing.
@@ -74,7 +77,7 @@ GOAL = 1.3
 SYSTEMS = ("rlfabric", "trl")
 HEADERS = [
     "system", "samples/s (steady)", "min..max", "samples/s (with start-up)", "s / step", "reward (last 1/4)",
-    "min..max", "first step ends (s)", "cores used", "CPU s / sample",
+    "min..max", "first step ends (s)", "cores used", "CPU s / sample", "CPU stolen by the host",
 ]  # fmt: skip
 
 
@@ -175,8 +178,15 @@ def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
             fmt(stats(runs, "seconds_per_step").median), f"{reward.median:.3f}",
             f"{reward.min:.3f}..{reward.max:.3f}", fmt(stats(runs, "first_step_end_s").median),
             fmt(stats(runs, "cores_used_steady").median), fmt(stats(runs, "cpu_s_per_sample").median),
+            stolen(runs),
         ])  # fmt: skip
     return rows
+
+
+def stolen(runs: list[dict[str, Any]]) -> str:
+    """Per repeat, the share of the machine's CPU time the hypervisor took during the steady state."""
+    shares = [r.get("cpu_stolen_steady", float("nan")) for r in runs]
+    return ", ".join("n/a" if s != s else f"{100 * s:.0f} %" for s in shares)
 
 
 def split_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
