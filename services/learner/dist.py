@@ -145,9 +145,9 @@ def reshard(model: nn.Module) -> None:
     """Return every FSDP unit of `model` to its sharded parameters (a no-op where already sharded).
 
     In a world of one a forward-only pass leaves the layers unsharded (see `shard_model`), holding
-    compute-dtype copies of the weights: anything that changes or reads the weights (an optimizer step, a
-    checkpoint, a state dict) reshards first, so it acts on the master weights and the next forward
-    re-casts them."""
+    compute-dtype copies of the weights: an optimizer step reshards first (`parts.clip_and_step`), so the
+    next forward casts the updated master weights instead of reusing stale copies. State dicts and
+    checkpoint loads need no call: FSDP's own state-dict hooks reshard."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -57,7 +57,7 @@ from rlfabric.learner.batch import (
 )
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
 from rlfabric.learner.critic import Critic, ValueLossConfig, critic_metrics, load_value_model
-from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, reshard
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
 
 
@@ -198,12 +198,10 @@ class Trainer:
             mb = mb.to(self.device)
             logp, _ = self._logprobs(self.model, mb)
             out[mb.sample_index.cpu()] = masked_sum(logp, mb.loss_mask, dim=-1).cpu()
-        reshard(self.model)
         return out
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
-        reshard(self.model)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
 
@@ -220,9 +218,6 @@ class Trainer:
         return state.extra
 
     def _train_objects(self) -> TrainObjects:
-        reshard(self.model)  # checkpoints read and write the master weights
-        if self.critic is not None:
-            reshard(self.critic.model)
         critic = self.critic.train_objects() if self.critic is not None else None
         return TrainObjects(self.model, self.optimizer, self.scheduler, critic)
 
