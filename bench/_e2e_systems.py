@@ -78,6 +78,7 @@ class Placement:
     learner_threads: int | None
     """OMP_NUM_THREADS of the services (the learner's torch threads); None keeps `up`'s default, 1."""
     replicas: int = 1
+    """Rollout replicas (`rlfabric up --replicas`); replica i takes entry i of `vllm_cores`."""
     learner_ranks: int = 1
     """Learner processes (`rlfabric up --learner-ranks`: FSDP2 data parallel over gloo)."""
 
