@@ -52,6 +52,15 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def resolve_worker_wait(wait: str) -> str:
+    """ "auto" is spin on a GPU and block on a CPU (see `rlfabric.rollout.vllm_executor`)."""
+    if wait != "auto":
+        return wait
+    import torch
+
+    return "spin" if torch.cuda.is_available() else "block"
+
+
 def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype)
     if config.kind == "transformers":
@@ -68,6 +77,7 @@ def build_engine(config: EngineConfig) -> Engine:
         enforce_eager=config.enforce_eager,
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
+        worker_wait=resolve_worker_wait(config.worker_wait),  # type: ignore[arg-type]
     )
 
 

@@ -2,8 +2,8 @@
 
 `test_engines.py` runs them in-process for the transformers engine and through this file as a subprocess
 for vLLM (vLLM's CPU platform spawns processes and keeps global state, so it stays out of pytest's
-process). One engine serves all scenarios, in this order: generate, refused weights, generate, good
-weights, generate (twice), cancel, abort, throughput.
+process). One engine serves all scenarios, in this order: generate (without, then with a stop string),
+refused weights, generate, good weights, generate (twice), cancel, abort, throughput.
 
 Usage: python _engine_scenarios.py {vllm,transformers} MODEL_DIR --new DIR --wrong-shape DIR
     --missing DIR --out REPORT.json
@@ -30,6 +30,8 @@ SAMPLED = SamplingSettings(n=3, temperature=1.0, top_p=1.0, top_k=0, max_tokens=
 """Temperature 1, no filters: processed and raw logprobs agree, so a plain forward pass is the reference."""
 TEMPERED = SamplingSettings(n=3, temperature=0.7, top_p=0.9, top_k=20, max_tokens=12, seed=7)
 """Every filter on: "processed" logprobs are those of the tempered, truncated distribution."""
+NEVER_STOPPED = dataclasses.replace(SAMPLED, stop=("~" * 8,))
+"""SAMPLED with a stop string no 12-token sample contains: vLLM then detokenizes while it generates."""
 LONG = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=400, ignore_eos=True)
 """Long enough that no sample finishes before the scenario stops it."""
 BENCH = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=64, ignore_eos=True)
@@ -121,6 +123,7 @@ async def run_scenarios(engine: Engine, weights: dict[str, str]) -> dict[str, An
     prompts = [engine.tokenize_text(text) for text in PROMPT_TEXTS] + [engine.tokenize_chat(CHAT)]
     report["prompts"] = prompts
     report["base"] = await collect(engine.generate("base", prompts, SAMPLED))
+    report["detokenized"] = await collect(engine.generate("detokenized", prompts, NEVER_STOPPED))
     report["rejected"] = {name: await try_load(engine, weights[name]) for name in ("wrong_shape", "missing")}
     report["after_rejected"] = await collect(engine.generate("after-rejected", prompts, SAMPLED))
     start = time.perf_counter()

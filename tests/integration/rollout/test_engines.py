@@ -131,6 +131,24 @@ def test_streams_every_sample_once(report: dict[str, Any]) -> None:
         assert all(lp <= 0 for lp in s["logprobs"])
 
 
+def test_text_is_the_decoded_completion(report: dict[str, Any], tiny_model_dir: Path) -> None:
+    """Without stop strings vLLM's detokenizer is off and the text is decoded once from the final token
+    ids; with a stop string (one that never matches) vLLM detokenizes as it generates. Same seeds, same
+    tokens: the two texts agree, and equal the tokenizer's decode without the end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = {(s["prompt_index"], s["sample_index"]): s for s in report["base"]}
+    detokenized = {(s["prompt_index"], s["sample_index"]): s for s in report["detokenized"]}
+    assert plain.keys() == detokenized.keys()
+    for key, s in plain.items():
+        assert s["token_ids"] == detokenized[key]["token_ids"]
+        assert s["text"] == detokenized[key]["text"]
+        kept = s["token_ids"][:-1] if s["finish_reason"] == "stop" else s["token_ids"]
+        assert s["text"] == tokenizer.decode(kept, skip_special_tokens=True)
+    assert any(s["text"] for s in plain.values())
+
+
 def test_logprobs_match_forward_pass(report: dict[str, Any], tiny_model_dir: Path) -> None:
     assert max_logprob_error(report["base"], tiny_model_dir) <= 1e-4
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from rlfabric.common import weights as store
 from rlfabric.common.procs import ServiceProcess
 from rlfabric.common.tiny_model import make_tiny_model
+from rlfabric.rollout.vllm_executor import BLOCKING_MESSAGE
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.vllm
@@ -40,13 +41,14 @@ def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def replica_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rollout-logs") / "rollout.log"
+
+
+@pytest.fixture(scope="module")
 def replica(
-    tiny_model_dir: Path,
-    weights_root: Path,
-    vllm_env: dict[str, str],
-    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model_dir: Path, weights_root: Path, vllm_env: dict[str, str], replica_log: Path
 ) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("rollout-logs")
     proc = ServiceProcess(
         "rollout",
         [
@@ -56,7 +58,7 @@ def replica(
             "--set", "engine.max_model_len=256", "--set", f"weights_root={weights_root}",
             "--set", "log.format=text", "--set", "max_tokens=64",
         ],
-        log_path=logs / "rollout.log",
+        log_path=replica_log,
         env={**vllm_env, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": TOKEN},
     )  # fmt: skip
     address = proc.start(r"listening on (\S+)", timeout_s=300).group(1)
@@ -99,6 +101,14 @@ def assert_matches(
     for s in samples:
         got = torch.tensor(list(s.logprobs))
         assert torch.allclose(got, reference(model_dir, sd, s), atol=1e-4), (got, reference(model_dir, sd, s))
+
+
+def test_engine_core_blocks_while_the_worker_computes(replica: str, replica_log: Path) -> None:
+    """On CPU the replica's default `engine.worker_wait` is block: vLLM runs our executor, which switched
+    every worker queue of the engine core to blocking waits (it logs a warning when it cannot)."""
+    log = replica_log.read_text()
+    assert BLOCKING_MESSAGE in log, log[-3000:]
+    assert "could not switch" not in log
 
 
 def test_logprobs_match_transformers(stub: rollout_pb2_grpc.RolloutServiceStub, tiny_model_dir: Path) -> None:
