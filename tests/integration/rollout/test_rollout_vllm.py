@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,9 +47,9 @@ def replica_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def replica(
+def replica_proc(
     tiny_model_dir: Path, weights_root: Path, vllm_env: dict[str, str], replica_log: Path
-) -> Iterator[str]:
+) -> Iterator[tuple[ServiceProcess, str]]:
     proc = ServiceProcess(
         "rollout",
         [
@@ -63,8 +64,13 @@ def replica(
     )  # fmt: skip
     address = proc.start(r"listening on (\S+)", timeout_s=300).group(1)
     proc.wait_for(r"serving version", timeout_s=300)
-    yield address
+    yield proc, address
     assert proc.stop(grace_s=30) == 0
+
+
+@pytest.fixture(scope="module")
+def replica(replica_proc: tuple[ServiceProcess, str]) -> str:
+    return replica_proc[1]
 
 
 @pytest.fixture
@@ -103,12 +109,28 @@ def assert_matches(
         assert torch.allclose(got, reference(model_dir, sd, s), atol=1e-4), (got, reference(model_dir, sd, s))
 
 
-def test_engine_core_blocks_while_the_worker_computes(replica: str, replica_log: Path) -> None:
+def test_idle_replica_does_not_spin(
+    replica_proc: tuple[ServiceProcess, str], stub: rollout_pb2_grpc.RolloutServiceStub, replica_log: Path
+) -> None:
     """On CPU the replica's default `engine.worker_wait` is block: vLLM runs our executor, which switched
-    every worker queue of the engine core to blocking waits (it logs a warning when it cannot)."""
+    the engine core's and the worker's queue readers to blocking waits (it logs a warning when it cannot).
+    vLLM's own readers spin for a second after every message: a worker left that way burns ~0.7 CPU
+    seconds in the window measured here, right after a batch, when an on-policy learner starts."""
+    import psutil
+
     log = replica_log.read_text()
     assert BLOCKING_MESSAGE in log, log[-3000:]
     assert "could not switch" not in log
+    tree = psutil.Process(replica_proc[0].pid)
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in [tree, *tree.children(recursive=True)])
+
+    assert generate(stub)
+    time.sleep(0.2)
+    before = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - before < 0.3
 
 
 def test_logprobs_match_transformers(stub: rollout_pb2_grpc.RolloutServiceStub, tiny_model_dir: Path) -> None:
