@@ -30,10 +30,13 @@ BLOCKING_MESSAGE = "worker queues wait without spinning"
 
 def stop_spinning(queues: list[Any]) -> int:
     """Make every reader side among `queues` block on its notification socket; how many were readers."""
-    readers = [c for c in (getattr(q, "_spin_condition", None) for q in queues) if getattr(c, "is_reader", 0)]
-    for condition in readers:
-        condition.busy_loop_s = 0.0
-    return len(readers)
+    readers = 0
+    for queue in queues:
+        condition: Any = getattr(queue, "_spin_condition", None)
+        if condition is not None and getattr(condition, "is_reader", False):
+            condition.busy_loop_s = 0.0
+            readers += 1
+    return readers
 
 
 def stop_worker_spinning(worker: Any) -> int:
