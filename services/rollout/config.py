@@ -30,9 +30,9 @@ class EngineConfig(StrictModel):
     seed: int = 0
     """Engine seed."""
     worker_wait: Literal["auto", "spin", "block"] = "auto"
-    """How vLLM's scheduler waits for the model worker each step: `spin` polls (shortest wait: right when
-    the worker computes on a GPU), `block` sleeps until the worker's result arrives (on a CPU the spinning
-    takes cycles from the worker's threads on the same cores); auto is block on CPU, spin on GPU."""
+    """How vLLM's engine core and model worker wait for each other: `spin` polls (shortest wait: right when
+    the worker computes on a GPU), `block` sleeps until the message arrives (on a CPU the spinning takes
+    cycles from the worker's threads on the same cores); auto is block on CPU, spin on GPU."""
 
 
 class RolloutServiceConfig(StrictModel):

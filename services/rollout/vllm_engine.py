@@ -12,8 +12,8 @@ generation of the bench model ~10 % faster on two CPU cores.
 `if __name__ == "__main__":`); on CPU the model worker is one more process unless
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which keeps it inside the engine core (much faster start; fine with
 `VLLM_CPU_OMP_THREADS_BIND=nobind`, since vLLM can then no longer pin the worker's OpenMP threads). With
-a worker process, `worker_wait="block"` makes the engine core sleep while the worker computes instead of
-spinning (`rlfabric.rollout.vllm_executor`).
+a worker process, `worker_wait="block"` makes the engine core and the worker sleep on their queues
+instead of spinning (`rlfabric.rollout.vllm_executor`).
 
 Weights are reloaded in the worker by `RlfabricWorkerExtension.rlfabric_load_weights_dir` (vLLM's own
 `reload_weights`, fed from a folder read fully into memory). vLLM's reload is not transactional: a
@@ -55,7 +55,7 @@ from rlfabric.rollout.engine import (
 
 WORKER_EXTENSION = "rlfabric.rollout.worker_ext.RlfabricWorkerExtension"
 BLOCKING_EXECUTOR = "rlfabric.rollout.vllm_executor.BlockingWaitExecutor"
-"""vLLM's multiprocess executor without the scheduler's busy wait (`worker_wait="block"`)."""
+"""vLLM's multiprocess executor without busy waits on its queues (`worker_wait="block"`)."""
 VLLM_LOGPROBS_MODE: dict[LogprobsMode, Literal["processed_logprobs", "raw_logprobs"]] = {
     "processed": "processed_logprobs",
     "raw": "raw_logprobs",
