@@ -52,6 +52,10 @@ class Task:
     """rlfabric's `algorithm.old_policy`: what its PPO ratio is taken against ("rollout": the engine's
     log-probs, so stale samples are clipped against the policy that generated them). TRL generates with
     the current weights and takes one step per batch: its ratio is 1."""
+    learner_compile: bool = False
+    """rlfabric's `train.compile`: the learner's normalisation layers and MLPs compiled into fused kernels
+    (attention and matmuls eager). TRL's own `torch_compile` compiles the whole model for training only
+    (generation runs the eager model); it is not turned on here."""
     seed: int = 0
     threads: int = 2
     """torch threads of the TRL process (the machine's cores)."""
@@ -123,6 +127,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
             "micro_batch_size": task.micro_batch_size,
             "checkpoint_every": task.steps,
             "seed": task.seed,
+            "compile": task.learner_compile,
         },
     }
 

@@ -3,7 +3,8 @@
     python bench/e2e_trl.py [--repeats 3] [--steps 10] [--lr 2e-3] [--dtype bfloat16|float32]
                             [--max-staleness 0|1] [--old-policy trainer|rollout]
                             [--placement split|shared|per-core] [--learner-threads N] [--learner-ranks N]
-                            [--no-compile] [--systems rlfabric trl] [--keep] [--quick]
+                            [--no-compile] [--no-learner-compile] [--systems rlfabric trl] [--keep]
+                            [--quick]
                             [--output-dir bench/results]
 
 Both systems train the same locally made model (`bench` preset, 24M parameters; `tiny` in quick mode)
@@ -16,7 +17,8 @@ token-mean loss, std-scaled group advantages, gradient clip 1.0, micro-batch siz
 How each one runs on the machine's two cores:
 
 - rlfabric: redis-server, the reward service, one vLLM replica (compiled unless --no-compile), the
-  learner and the coordinator. By default on-policy, as TRL (`max_staleness` 0): generation and training
+  learner (its norms and MLPs compiled, `train.compile`, unless --no-learner-compile) and the
+  coordinator. By default on-policy, as TRL (`max_staleness` 0): generation and training
   take turns, each on every core (placement `shared`: the replica's OpenMP threads bound to all cores,
   the learner on as many torch threads). With `--max-staleness 1` generation of the next step overlaps
   training, the replica bound to core 0 and the learner on one thread (placement `split`): faster per
@@ -93,11 +95,13 @@ def prepare(work: Path, args: Any) -> Task:
     if args.quick:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
                     lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
-                    max_staleness=args.max_staleness, old_policy=args.old_policy)  # fmt: skip
+                    max_staleness=args.max_staleness, old_policy=args.old_policy,
+                    learner_compile=args.learner_compile)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-                max_staleness=args.max_staleness, old_policy=args.old_policy)  # fmt: skip
+                max_staleness=args.max_staleness, old_policy=args.old_policy,
+                learner_compile=args.learner_compile)  # fmt: skip
 
 
 def measure(
@@ -243,6 +247,7 @@ def report(
         f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
         f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
         f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, "
+        f"learner blocks {'compiled' if task.learner_compile else 'eager'}, "
         f"{task.dtype}, max_staleness {task.max_staleness}, placement {where.name} (vLLM on cores "
         f"{where.vllm_cores}, learner torch threads {where.learner_threads or 1}); TRL {task.dtype}.",
         "",
@@ -319,6 +324,13 @@ def parse_args() -> Any:
         help="compiled vLLM (default; ~1 min more start-up, excluded from the steady figure) or eager",
     )
     parser.add_argument(
+        "--learner-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rlfabric's train.compile: the learner's norms and MLPs compiled (default; ~20-40 s more "
+        "start-up, excluded from the steady figure) or eager",
+    )
+    parser.add_argument(
         "--placement",
         choices=["split", "shared", "per-core"],
         help="rlfabric's cores: split (one vLLM replica on core 0, learner 1 thread; default with "
@@ -378,6 +390,7 @@ def write_all(
         "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
         "preset": "tiny" if args.quick else "bench",
         "vllm_compiled": bool(args.compile and not args.quick),
+        "learner_compiled": task.learner_compile,
         "placement": asdict(placement(args)),
         "goal": GOAL,
         "comparison": cmp,

@@ -25,6 +25,7 @@ from rlfabric.learner.algorithms import masked_sum, value_loss
 from rlfabric.learner.batch import MicroBatch
 from rlfabric.learner.checkpoint import TrainObjects
 from rlfabric.learner.dist import shard_model
+from rlfabric.learner.parts import compile_elementwise_blocks
 
 
 class ValueModel(nn.Module):
@@ -48,10 +49,15 @@ class ValueModel(nn.Module):
 
 
 def load_value_model(
-    path: str | Path, device: torch.device, dtype: torch.dtype, *, checkpointing: bool
+    path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    checkpointing: bool,
+    compile_blocks: bool = False,
 ) -> ValueModel:
     """The backbone of the causal LM at `path` plus a fresh value head, fp32 master weights on `device`,
-    sharded with FSDP2 like the policy."""
+    sharded with FSDP2 like the policy (and, with `compile_blocks`, its element-wise blocks compiled)."""
     from transformers import AutoModel
 
     backbone = AutoModel.from_pretrained(str(path), dtype=torch.float32)
@@ -62,6 +68,8 @@ def load_value_model(
     model.train(True)
     model.to(device)
     shard_model(model, dtype)
+    if compile_blocks:
+        compile_elementwise_blocks(model)
     return model
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -129,22 +130,25 @@ def compute_dtype(spec_dtype: str, device: torch.device) -> torch.dtype:
 def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
     """FSDP2: shard each decoder layer (the model's `_no_split_modules`), then the root.
 
-    In a world of one there is nothing to free between forward and backward (the shard is the whole
-    parameter), so the layers stay unsharded after the forward: the backward reuses the forward's
-    low-precision copies instead of casting the parameters again."""
+    In a world of one there is nothing to free (the shard is the whole parameter), so the layers stay
+    unsharded after the forward and after the backward: the backward and every later micro-batch of the
+    step reuse the low-precision copies cast once, instead of casting and "gathering" the parameters
+    again per micro-batch. The optimizer step reshards first (`reshard`), so the step after it casts the
+    updated weights."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = dist.get_world_size() > 1
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in layer_types:
-            fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    units = [m for m in model.modules() if type(m).__name__ in layer_types]
+    for module in [*units, model]:
+        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
+        if not reshard:
+            cast(FSDPModule, module).set_reshard_after_backward(False, recurse=False)
 
 
 def reshard(model: nn.Module) -> None:
     """Return every FSDP unit of `model` to its sharded parameters (a no-op where already sharded).
 
-    In a world of one a forward-only pass leaves the layers unsharded (see `shard_model`), holding
+    In a world of one the layers stay unsharded after forward and backward (see `shard_model`), holding
     compute-dtype copies of the weights: an optimizer step reshards first (`parts.clip_and_step`), so the
     next forward casts the updated master weights instead of reusing stale copies. State dicts and
     checkpoint loads need no call: FSDP's own state-dict hooks reshard."""

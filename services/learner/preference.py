@@ -114,9 +114,19 @@ class PreferenceTrainer:
         torch.manual_seed(spec.train.seed)
         dtype = compute_dtype(spec.model.dtype, device)
         checkpointing = spec.train.activation_checkpointing
-        self.model = load_model(model_path, device, dtype, trainable=True, checkpointing=checkpointing)
+        compile_blocks = spec.train.compile
+        self.model = load_model(
+            model_path,
+            device,
+            dtype,
+            trainable=True,
+            checkpointing=checkpointing,
+            compile_blocks=compile_blocks,
+        )
         reference_path = spec.model.reference_path or model_path
-        self.reference = load_model(reference_path, device, dtype, trainable=False, checkpointing=False)
+        self.reference = load_model(
+            reference_path, device, dtype, trainable=False, checkpointing=False, compile_blocks=compile_blocks
+        )
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.average = spec.preference.loss == "ipo"

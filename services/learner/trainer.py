@@ -57,7 +57,7 @@ from rlfabric.learner.batch import (
 )
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
 from rlfabric.learner.critic import Critic, ValueLossConfig, critic_metrics, load_value_model
-from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, reshard
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
 
 
@@ -109,7 +109,12 @@ class Trainer:
         torch.manual_seed(spec.train.seed)
         self.dtype = compute_dtype(spec.model.dtype, device)
         self.model = load_model(
-            model_path, device, self.dtype, trainable=True, checkpointing=spec.train.activation_checkpointing
+            model_path,
+            device,
+            self.dtype,
+            trainable=True,
+            checkpointing=spec.train.activation_checkpointing,
+            compile_blocks=spec.train.compile,
         )
         self.reference = self._load_reference(model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
@@ -125,7 +130,14 @@ class Trainer:
         if self.spec.algorithm.kl.coef <= 0:
             return None
         path = self.spec.model.reference_path or model_path
-        return load_model(path, self.device, self.dtype, trainable=False, checkpointing=False)
+        return load_model(
+            path,
+            self.device,
+            self.dtype,
+            trainable=False,
+            checkpointing=False,
+            compile_blocks=self.spec.train.compile,
+        )
 
     def _load_critic(self, model_path: str | Path) -> Critic | None:
         """The PPO critic and its optimiser, only with the gae estimator."""
@@ -134,7 +146,9 @@ class Trainer:
             return None
         path = spec.model.critic_path or model_path
         checkpointing = spec.train.activation_checkpointing
-        model = load_value_model(path, self.device, self.dtype, checkpointing=checkpointing)
+        model = load_value_model(
+            path, self.device, self.dtype, checkpointing=checkpointing, compile_blocks=spec.train.compile
+        )
         optimizer, scheduler = build_optimizer(model, spec, lr=spec.optim.critic_peak_lr)
         config = ValueLossConfig(
             coef=spec.algorithm.value_coef,
@@ -166,10 +180,16 @@ class Trainer:
         return metrics
 
     def accumulate_gradients(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
-        """Phases 1-4 and 6 only: leave the step's gradients in `.grad` without stepping (for tests)."""
+        """Phases 1-4 and 6 only: leave the step's gradients in `.grad` without stepping (for tests).
+
+        The models are resharded at the end: in a world of one the layers otherwise stay unsharded, and
+        FSDP keeps the gradients on the sharded parameters (`dist.shard_model`)."""
         self._zero_grad()
         plan = self.plan(groups)
-        return self._finish_metrics(plan, self._accumulate(plan))
+        metrics = self._finish_metrics(plan, self._accumulate(plan))
+        for model in (self.model, *([self.critic.model] if self.critic is not None else [])):
+            reshard(model)
+        return metrics
 
     def plan(self, groups: Sequence[GroupSamples]) -> StepPlan:
         """Phases 1-3: shard, micro-batch, frozen pass, advantages."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
@@ -373,9 +374,9 @@ def test_old_policy_rollout_takes_the_ratio_against_the_engine_logprobs(
 def test_forward_only_passes_leave_no_stale_weights_behind(
     tiny_model_dir: Path, world: World, tmp_path: Path
 ) -> None:
-    """In a world of one a forward-only pass keeps the layers unsharded (compute-dtype copies); an
-    optimizer step, a checkpoint loaded or a state dict taken after it must act on the master weights,
-    and the next forward must see them."""
+    """In a world of one the layers stay unsharded (compute-dtype copies) after forward-only passes and
+    through a step's micro-batches; an optimizer step, a checkpoint loaded or a state dict taken after
+    them must act on the master weights, and the next forward must see them."""
     spec = make_spec(tiny_model_dir, model={"path": str(tiny_model_dir), "dtype": "bfloat16"})
     trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
     groups = random_groups(5)
@@ -383,12 +384,44 @@ def test_forward_only_passes_leave_no_stale_weights_behind(
     before = trainer.sequence_logprobs(groups)
     trainer.accumulate_gradients(groups)
     assert torch.equal(trainer.sequence_logprobs(groups), before)  # forward only, after the backward
+    assert not any(isinstance(p, DTensor) for p in trainer.model.parameters())  # unsharded
     trainer._optimizer_step()
     moved = trainer.sequence_logprobs(groups)
     assert not torch.allclose(moved, before)
+    stepped = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    stepped.load_checkpoint(trainer.save_checkpoint(tmp_path / "stepped"))
+    torch.testing.assert_close(stepped.sequence_logprobs(groups), moved, atol=0, rtol=0)
     trainer.load_checkpoint(path)
     torch.testing.assert_close(trainer.sequence_logprobs(groups), before, atol=0, rtol=0)
     state = trainer.full_state_dict()
     fresh = Trainer(spec, tiny_model_dir, device=CPU, world=world).full_state_dict()
     for name, tensor in fresh.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_compiled_blocks_train_as_the_eager_ones(tiny_model_dir: Path, world: World) -> None:
+    """`train.compile` compiles every norm and MLP of the policy and the reference (attention stays
+    eager), and a bfloat16 step computes the same gradients as eager up to bfloat16 rounding."""
+    groups = random_groups(7)
+    grads, metrics = [], []
+    for compiled in (False, True):
+        spec = make_spec(
+            tiny_model_dir,
+            model={"path": str(tiny_model_dir), "dtype": "bfloat16"},
+            algorithm={"kl": {"coef": 0.1}},
+            train={"compile": compiled},
+        )
+        trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+        for model in (trainer.model, trainer.reference):
+            assert model is not None
+            blocks = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+            attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+            assert len(blocks) == 3 * len(attention) + 1 > 1  # two norms and an MLP a layer, the final norm
+            assert all((m._compiled_call_impl is not None) == compiled for m in blocks)
+            assert all(m._compiled_call_impl is None for m in attention)
+        metrics.append(trainer.accumulate_gradients(groups))
+        grads.append(_grads(trainer))
+    assert metrics[1]["kl"] == pytest.approx(metrics[0]["kl"], abs=1e-3)
+    for name, grad in grads[0].items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads[1][name], grad, atol=0.02 * scale + 1e-6, rtol=0.05, msg=name)
