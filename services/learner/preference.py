@@ -32,7 +32,7 @@ from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.algorithms import PREFERENCE_LOSSES, masked_sum
 from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
-from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, defer_gradient_sync
 from rlfabric.learner.parts import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
 
 SUMMED_STATS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -193,7 +193,8 @@ class PreferenceTrainer:
     def _accumulate(self, plan: list[PairMicroBatch], global_pairs: float) -> dict[str, Tensor]:
         """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
         sums: dict[str, Tensor] = {}
-        for pmb in plan:
+        for i, pmb in enumerate(plan):
+            defer_gradient_sync([self.model], self.world, defer=i < len(plan) - 1)
             for name, value in self._micro_batch_backward(pmb, global_pairs).items():
                 sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value
         return sums

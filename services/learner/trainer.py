@@ -57,7 +57,14 @@ from rlfabric.learner.batch import (
 )
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
 from rlfabric.learner.critic import Critic, ValueLossConfig, critic_metrics, load_value_model
-from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, reshard
+from rlfabric.learner.dist import (
+    World,
+    all_reduce_max,
+    all_reduce_sum,
+    compute_dtype,
+    defer_gradient_sync,
+    reshard,
+)
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
 
 
@@ -360,7 +367,10 @@ class Trainer:
     def _accumulate(self, plan: StepPlan) -> dict[str, Tensor]:
         """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
         sums: dict[str, Tensor] = {}
-        for mb in plan.micro_batches:
+        trained = [self.model, *([self.critic.model] if self.critic is not None else [])]
+        last = len(plan.micro_batches) - 1
+        for i, mb in enumerate(plan.micro_batches):
+            defer_gradient_sync(trained, self.world, defer=i < last)
             mb_sums = self._micro_batch_backward(mb, plan.global_count)
             if self.critic is not None:
                 weight = self._weight(mb, plan.global_count)
