@@ -12,6 +12,7 @@ every hyperparameter both sides use.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -237,6 +238,7 @@ def rlfabric_step(row: dict[str, Any]) -> dict[str, Any]:
         "step": int(row["step"]),
         "time": float(row["time"]) - checkpoint,
         "reward": float(row["reward_mean"]),
+        "reward_std": float(row.get("reward_std", float("nan"))),
         "completion_length": float(row.get("response_length_mean", float("nan"))),
         "samples": float(row["samples"]),
         "train_s": float(row["step_seconds"]),
@@ -283,6 +285,7 @@ def summarize(
         "first_step_end_s": first["time"] - start,
         "wall_s": end - start,
         "reward_final": sum(s["reward"] for s in tail) / len(tail),
+        "reward_final_se": reward_standard_error(tail),
         "reward_first": first["reward"],
         "samples_trained": sum(s["samples"] for s in steps),
         "cores_used_steady": cpu.cores_between(first["time"], last["time"]),
@@ -292,6 +295,14 @@ def summarize(
         "split": split(steady),
         "steps": steps,
     }
+
+
+def reward_standard_error(tail: list[dict[str, Any]]) -> float:
+    """Standard error of `reward_final` (the mean of the tail steps' mean rewards) from each step's
+    reward spread over its samples: sqrt(sum(std_i^2 / n_i)) / k for k steps; NaN where a step did not
+    report its spread."""
+    variance = sum(s.get("reward_std", float("nan")) ** 2 / max(s["samples"], 1.0) for s in tail)
+    return math.sqrt(variance) / len(tail)
 
 
 def split(steady: list[dict[str, Any]]) -> dict[str, float]:

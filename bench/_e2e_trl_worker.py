@@ -124,6 +124,7 @@ def instrument(trainer: Any, rows: list[dict[str, Any]]) -> None:
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             if rows and logs and "reward" in logs:
                 rows[-1]["reward"] = float(logs["reward"])
+                rows[-1]["reward_std"] = float(logs.get("reward_std", float("nan")))
                 rows[-1]["completion_length"] = float(logs.get("completions/mean_length", float("nan")))
                 print(f"e2e step {json.dumps(rows[-1])}", flush=True)
 

@@ -31,7 +31,11 @@ Each repeat runs both, interleaved (rlfabric first in even repeats). Measured pe
 
 - samples trained per second in the steady state (end of step 1 to end of the last step), and with
   start-up included (process start to the end of the last step);
-- reward after the same number of samples: the mean training reward of the last quarter of the steps;
+- reward after the same number of samples: the mean training reward of the last quarter of the steps.
+  "Equal or better" when rlfabric's median is within or above TRL's repeats, or below them by less than
+  two standard errors of the difference (each system's from its steps' reward spread over their
+  samples): TRL's runs are seeded and repeat exactly, so its spread alone would call any shortfall,
+  however small against the sampling noise, worse;
 - where the time goes: TRL's generate / prepare (reward, reference log-probs) / train seconds per step
   (timers around its own methods); rlfabric's learner train and publish seconds per step and the
   replica's busy fraction (share of the run it had work in flight: generation overlaps training);
@@ -48,6 +52,7 @@ path (tiny model, 2 steps, transformers engine for rlfabric); its figures mean n
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -156,21 +161,42 @@ def comparison(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         per_repeat_nan = Stats.of([nan], "x").to_dict()
         return {"throughput_ratio": nan, "throughput_ratio_per_repeat": per_repeat_nan,
                 "throughput_ratio_with_startup": nan, "reward_difference": nan,
+                "reward_noise_2se": nan, "reward_within_trl_spread": False, "reward_within_noise": False,
                 "reward_equal_or_better": False, "goal_met": False}  # fmt: skip
     ours, trl = results["rlfabric"], results["trl"]
     per_repeat = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, trl, strict=True)]
     ratio = stats(ours, "samples_per_s").median / stats(trl, "samples_per_s").median
     reward_ours, reward_trl = stats(ours, "reward_final"), stats(trl, "reward_final")
-    reward_ok = reward_ours.median >= reward_trl.min  # within or above TRL's own spread
+    difference = reward_ours.median - reward_trl.median
+    noise = 2.0 * math.hypot(stats(ours, "reward_final_se").median, stats(trl, "reward_final_se").median)
+    within_spread = reward_ours.median >= reward_trl.min  # within or above TRL's own run-to-run spread
+    within_noise = difference >= -noise  # NaN (spreads not reported) compares False
+    reward_ok = within_spread or within_noise
     return {
         "throughput_ratio": ratio,
         "throughput_ratio_per_repeat": Stats.of(per_repeat, "x").to_dict(),
         "throughput_ratio_with_startup": stats(ours, "samples_per_s_with_startup").median
         / stats(trl, "samples_per_s_with_startup").median,
-        "reward_difference": reward_ours.median - reward_trl.median,
+        "reward_difference": difference,
+        "reward_noise_2se": noise,
+        "reward_within_trl_spread": within_spread,
+        "reward_within_noise": within_noise,
         "reward_equal_or_better": reward_ok,
         "goal_met": ratio >= GOAL and reward_ok,
     }
+
+
+def reward_verdict(cmp: dict[str, Any]) -> str:
+    """The reward comparison in words: TRL's run-to-run spread first, then sampling noise."""
+    noise = (
+        "two standard errors of the difference, from each step's reward spread over its samples, are "
+        f"{cmp['reward_noise_2se']:.4f}"
+    )
+    if cmp["reward_within_trl_spread"]:
+        return "equal or better (rlfabric's median is within or above TRL's repeats)"
+    if cmp["reward_within_noise"]:
+        return f"equal within sampling noise (below TRL's lowest repeat, but {noise})"
+    return f"worse (below TRL's lowest repeat, and {noise})"
 
 
 def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
@@ -256,8 +282,7 @@ def report(
         f"rlfabric / TRL samples/s: **{fmt(cmp['throughput_ratio'])}** (median of per-repeat ratios "
         f"{fmt(per_repeat['median'])}, {fmt(per_repeat['min'])}..{fmt(per_repeat['max'])}; with start-up "
         f"{fmt(cmp['throughput_ratio_with_startup'])}). Reward, rlfabric - TRL: "
-        f"{cmp['reward_difference']:+.3f} ({'equal or better' if cmp['reward_equal_or_better'] else 'worse'}:"
-        " rlfabric's median against the lowest TRL repeat). "
+        f"{cmp['reward_difference']:+.4f}: {reward_verdict(cmp)}. "
         f"Goal >= {GOAL}x at equal or better reward: {verdict}"
         f"{' (quick mode: figures mean nothing)' if args.quick else ''}.",
         "",

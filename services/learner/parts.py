@@ -5,6 +5,7 @@ LR schedule, and one clipped optimizer step.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from rlfabric.common.runspec import OptimSpec, RunSpec
 from rlfabric.learner.algorithms import entropy_from_logits
 from rlfabric.learner.dist import reshard, shard_model
+
+log = logging.getLogger(__name__)
 
 LOGPROB_CHUNK = 1024
 """Positions per chunk when turning logits into log-probs: bounds the float32 copy of the logits."""
@@ -83,6 +86,7 @@ def compile_elementwise_blocks(model: nn.Module) -> int:
         if type(module).__name__.endswith(COMPILED_BLOCKS):
             module.compile(dynamic=True)
             compiled += 1
+    log.info("train.compile: %d norm and MLP blocks of %s compiled", compiled, type(model).__name__)
     return compiled
 
 

@@ -133,7 +133,9 @@ def test_e2e_trl_bench_quick(tmp_path: Path) -> None:
         assert len(run["steps"]) == task["steps"] == 2
         assert run["samples_trained"] == task["steps"] * task["group_size"] * task["prompts_per_step"]
         assert run["samples_per_s"] > 0 and 0 <= run["reward_final"] <= 1
+        assert run["reward_final_se"] >= 0  # NaN fails: every step reported its reward spread
         assert run["cores_used_steady"] >= 0  # sampled once a second: a short step may fall between
     assert set(result["runs"]["trl"][0]["split"]) == {"generate_s", "prepare_s", "train_s"}
     assert {"train_s", "publish_s", "replica_busy_fraction"} <= set(result["runs"]["rlfabric"][0]["split"])
     assert result["comparison"]["throughput_ratio"] > 0 and isinstance(result["comparison"]["goal_met"], bool)
+    assert result["learner_compiled"] is True  # the bench's default, train.compile, ran in the learner
