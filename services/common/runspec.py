@@ -255,8 +255,8 @@ class TrainSpec(StrictModel):
     """`torch.compile` the models' element-wise blocks (normalisation layers and MLPs) into fused kernels;
     attention and the matmuls stay eager. On CPU in bfloat16 a learner step of the bench model took
     9-20 % less time (docs/benchmarks.md); compiling costs ~10-40 s in the first step (less once
-    inductor's on-disk cache holds the kernels). Worth it for long runs; off by default so short runs and tests
-    start at once."""
+    inductor's on-disk cache holds the kernels). Worth it for long runs; off by default so short runs
+    and tests start at once."""
     seed: int = 0
     """Seed of the learner's RNGs."""
 
