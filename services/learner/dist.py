@@ -151,7 +151,7 @@ def defer_gradient_sync(models: list[nn.Module], world: World, defer: bool) -> N
 
     In a world of one, deferred gradients accumulate in float32 beside the unsharded parameters and the
     last micro-batch's backward reduces them into the sharded `.grad` once, instead of every
-    micro-batch copying each layer's gradients into a flat buffer and back (~5 % of a bfloat16 step of
+    micro-batch copying each layer's gradients into a flat buffer and back (~3 % of a bfloat16 step of
     the bench model on CPU). With several ranks it is a no-op: deferring there would hold whole-model
     gradients on every rank until the step's last micro-batch."""
     if world.size > 1:
