@@ -415,7 +415,6 @@ def write_all(
         "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
         "preset": "tiny" if args.quick else "bench",
         "vllm_compiled": bool(args.compile and not args.quick),
-        "learner_compiled": task.learner_compile,
         "placement": asdict(placement(args)),
         "goal": GOAL,
         "comparison": cmp,

@@ -194,7 +194,7 @@ class Trainer:
         self._zero_grad()
         plan = self.plan(groups)
         metrics = self._finish_metrics(plan, self._accumulate(plan))
-        for model in (self.model, *([self.critic.model] if self.critic is not None else [])):
+        for model in self._trained_models():
             reshard(model)
         return metrics
 
@@ -243,6 +243,10 @@ class Trainer:
         self.step, self.policy_version = state.step, state.policy_version
         self.kl.value = float(state.trainer["kl_coef"])
         return state.extra
+
+    def _trained_models(self) -> list[nn.Module]:
+        """The policy, and the critic when there is one."""
+        return [self.model, *([self.critic.model] if self.critic is not None else [])]
 
     def _train_objects(self) -> TrainObjects:
         critic = self.critic.train_objects() if self.critic is not None else None
@@ -367,7 +371,7 @@ class Trainer:
     def _accumulate(self, plan: StepPlan) -> dict[str, Tensor]:
         """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
         sums: dict[str, Tensor] = {}
-        trained = [self.model, *([self.critic.model] if self.critic is not None else [])]
+        trained = self._trained_models()
         last = len(plan.micro_batches) - 1
         for i, mb in enumerate(plan.micro_batches):
             defer_gradient_sync(trained, self.world, defer=i < last)
