@@ -23,7 +23,6 @@ group estimators (GRPO, Dr.GRPO, RLOO) are unaffected by the split.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from rlfabric.learner.batch import (
     shard_groups,
 )
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
-from rlfabric.learner.critic import Critic, ValueLossConfig, critic_metrics, load_value_model
+from rlfabric.learner.critic import Critic, ValueLossConfig, load_value_model
 from rlfabric.learner.dist import (
     World,
     all_reduce_max,
@@ -66,6 +65,7 @@ from rlfabric.learner.dist import (
     reshard,
 )
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
+from rlfabric.learner.step_metrics import sample_sums, step_metrics
 
 
 def policy_loss_config(spec: RunSpec) -> PolicyLossConfig:
@@ -461,62 +461,13 @@ class Trainer:
 
     def _finish_metrics(self, plan: StepPlan, sums: dict[str, Tensor]) -> dict[str, float]:
         """Sum every statistic over the ranks (one all-reduce) and turn sums into means."""
-        sums = {**sums, **_sample_sums(plan.step_batch, plan.micro_batches, self.device)}
+        sums = {**sums, **sample_sums(plan.step_batch, plan.micro_batches, self.device)}
         names = sorted(sums)
         totals = all_reduce_sum(torch.stack([sums[n].float() for n in names]), self.world).tolist()
         total = dict(zip(names, totals, strict=True))
-        return _means(total)
+        return step_metrics(total)
 
 
 def _is_empty(mb: MicroBatch) -> bool:
     """A padding micro-batch (see `empty_micro_batch`)."""
     return bool((mb.sample_index < 0).all())
-
-
-def _sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.device) -> dict[str, Tensor]:
-    """Per-sample and per-advantage-token sums of this rank's share, on `device`."""
-    lengths = sb.lengths.float()
-    adv_sum, adv_sq, adv_tokens = (torch.zeros((), device=device) for _ in range(3))
-    for mb in micro_batches:
-        adv_sum = adv_sum + masked_sum(mb.extras["advantages"], mb.loss_mask)
-        adv_sq = adv_sq + masked_sum(mb.extras["advantages"] ** 2, mb.loss_mask)
-        adv_tokens = adv_tokens + mb.loss_mask.sum()
-    return {
-        "samples": torch.tensor(float(sb.rewards.numel()), device=device),
-        "reward_sum": sb.rewards.sum().to(device),
-        "reward_sq": (sb.rewards**2).sum().to(device),
-        "length_sum": lengths.sum().to(device),
-        "adv_sum": adv_sum,
-        "adv_sq": adv_sq,
-        "adv_tokens": adv_tokens,
-    }
-
-
-_TOKEN_MEANS = ("kl", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean")
-_TOKEN_MEANS_OPTIONAL = ("tis_weight_mean", "tis_capped_fraction")
-
-
-def _mean_std(total: float, squares: float, count: float) -> tuple[float, float]:
-    """Mean and (population) standard deviation from a sum, a sum of squares and a count."""
-    n = max(count, 1.0)
-    mean = total / n
-    return mean, math.sqrt(max(squares / n - mean**2, 0.0))
-
-
-def _means(total: dict[str, float]) -> dict[str, float]:
-    """Step metrics from globally summed statistics."""
-    tokens = max(total["tokens"], 1.0)
-    metrics = {"loss": total["loss"], "policy_loss": total["policy_loss"], "tokens": total["tokens"]}
-    for name in (*_TOKEN_MEANS, *(n for n in _TOKEN_MEANS_OPTIONAL if n in total)):
-        metrics[name] = total[name] / tokens
-    metrics["reward_mean"], metrics["reward_std"] = _mean_std(
-        total["reward_sum"], total["reward_sq"], total["samples"]
-    )
-    metrics["advantage_mean"], metrics["advantage_std"] = _mean_std(
-        total["adv_sum"], total["adv_sq"], total["adv_tokens"]
-    )
-    metrics["response_length_mean"] = total["length_sum"] / max(total["samples"], 1.0)
-    metrics["samples"] = total["samples"]
-    if "value_loss" in total:
-        metrics.update(critic_metrics(total))
-    return metrics

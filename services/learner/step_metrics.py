@@ -1,0 +1,62 @@
+"""A learner step's metrics: this rank's per-sample sums (summed over the ranks by the trainer), then the
+global means and spreads reported for the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlfabric.learner.algorithms import masked_sum
+from rlfabric.learner.batch import MicroBatch, StepBatch
+from rlfabric.learner.critic import critic_metrics
+
+
+def sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.device) -> dict[str, Tensor]:
+    """Per-sample and per-advantage-token sums of this rank's share, on `device`."""
+    lengths = sb.lengths.float()
+    adv_sum, adv_sq, adv_tokens = (torch.zeros((), device=device) for _ in range(3))
+    for mb in micro_batches:
+        adv_sum = adv_sum + masked_sum(mb.extras["advantages"], mb.loss_mask)
+        adv_sq = adv_sq + masked_sum(mb.extras["advantages"] ** 2, mb.loss_mask)
+        adv_tokens = adv_tokens + mb.loss_mask.sum()
+    return {
+        "samples": torch.tensor(float(sb.rewards.numel()), device=device),
+        "reward_sum": sb.rewards.sum().to(device),
+        "reward_sq": (sb.rewards**2).sum().to(device),
+        "length_sum": lengths.sum().to(device),
+        "adv_sum": adv_sum,
+        "adv_sq": adv_sq,
+        "adv_tokens": adv_tokens,
+    }
+
+
+TOKEN_MEANS = ("kl", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean")
+TOKEN_MEANS_OPTIONAL = ("tis_weight_mean", "tis_capped_fraction")
+
+
+def mean_std(total: float, squares: float, count: float) -> tuple[float, float]:
+    """Mean and (population) standard deviation from a sum, a sum of squares and a count."""
+    n = max(count, 1.0)
+    mean = total / n
+    return mean, math.sqrt(max(squares / n - mean**2, 0.0))
+
+
+def step_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Step metrics from globally summed statistics."""
+    tokens = max(total["tokens"], 1.0)
+    metrics = {"loss": total["loss"], "policy_loss": total["policy_loss"], "tokens": total["tokens"]}
+    for name in (*TOKEN_MEANS, *(n for n in TOKEN_MEANS_OPTIONAL if n in total)):
+        metrics[name] = total[name] / tokens
+    metrics["reward_mean"], metrics["reward_std"] = mean_std(
+        total["reward_sum"], total["reward_sq"], total["samples"]
+    )
+    metrics["advantage_mean"], metrics["advantage_std"] = mean_std(
+        total["adv_sum"], total["adv_sq"], total["adv_tokens"]
+    )
+    metrics["response_length_mean"] = total["length_sum"] / max(total["samples"], 1.0)
+    metrics["samples"] = total["samples"]
+    if "value_loss" in total:
+        metrics.update(critic_metrics(total))
+    return metrics
