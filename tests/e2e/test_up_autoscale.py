@@ -1,21 +1,28 @@
 """`rlfabric up --max-replicas 2` with real processes: the run's desired-replica signal asks for a
 second replica while the first is saturated, `up` starts it mid-run, it receives work (trained samples
-carry its replica id) once it holds a published version, and afterwards the books balance from the run's
-own Redis (AOF) and the learner's checkpoint.
+carry its replica id) once it holds a published version, the run is stopped through the REST API while
+both replicas work, and afterwards the books balance from the run's own Redis (AOF) and the learner's
+checkpoint.
 
-The coordinator's target busy fraction is set low, so that the rule asks for a second replica early in a
-short run whatever the machine's speed. The transformers reference engine keeps replica start-up short
-enough for a short run on two cores; the scaling path (signal, scaler, registry, dispatch) is the same
-for vLLM replicas.
+The run is not timed: it is given far more steps than it needs and stopped a fixed number of steps after
+the coordinator's pool sees the second replica, so a fast learner cannot end it before the new replica
+had work (a replica takes ~10 s to start on two cores; 24 steps once took less). The coordinator's
+target busy fraction is set low, so that the rule asks for a second replica early whatever the machine's
+speed. The transformers reference engine keeps replica start-up short on two cores; the scaling path
+(signal, scaler, registry, dispatch) is the same for vLLM replicas.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -23,19 +30,69 @@ from rlfabric.common import ledger
 from rlfabric.common.streams import groups_key
 from rlfabric.v1 import queue_pb2
 
-STEPS = 24
+MAX_STEPS = 300
+"""A bound the run never reaches: the test stops it."""
+STEPS_WITH_TWO = 6
+"""Steps trained after the pool saw both replicas, before the stop (each step dispatches 8 groups,
+least loaded first, so the new replica gets about half of them)."""
+TIMEOUT_S = 900.0
+
+
+def wait_for(what: str, proc: subprocess.Popen[str], out: Path, check: Callable[[], Any]) -> Any:
+    """Polls `check` until it returns something truthy; fails when `up` exits first or time runs out."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        assert proc.poll() is None, (
+            f"`up` exited ({proc.returncode}) before {what}:\n{out.read_text()[-3000:]}"
+        )
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} after {TIMEOUT_S:.0f} s:\n{out.read_text()[-3000:]}")
+
+
+def run_status(url: str) -> dict[str, Any] | None:
+    try:
+        return dict(httpx.get(f"{url}/v1/runs/demo", timeout=10).json())
+    except httpx.HTTPError:
+        return None
 
 
 @pytest.fixture(scope="module")
 def scaled_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str]) -> Path:
     run_dir = tmp_path_factory.mktemp("up-scale")
-    argv = [sys.executable, "-m", "rlfabric.cli", "up", "--run-dir", str(run_dir), "--steps", str(STEPS)]
+    out = run_dir / "up.out"
+    argv = [sys.executable, "-m", "rlfabric.cli", "up", "--run-dir", str(run_dir), "--steps", str(MAX_STEPS)]
     argv += ["--no-progress", "--engine", "transformers", "--max-replicas", "2", "--scale-up-after", "2"]
     # a low target makes the rule ask for a second replica as soon as the first is a third busy
     env = {**vllm_env, "PYTHONUNBUFFERED": "1", "RLFABRIC_COORDINATOR__SCALING__TARGET_BUSY_FRACTION": "0.3"}
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
-    (run_dir / "up.out").write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with out.open("w") as sink:
+        proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        page = wait_for(
+            "the run's page", proc, out, lambda: re.search(r"page: (http://\S+)/runs/demo", out.read_text())
+        )
+        url = page.group(1)
+
+        def step_with_two() -> int | None:
+            status = run_status(url)
+            scaling = (status or {}).get("scaling") or {}
+            return int(status["step"] or 0) + 1 if status and scaling.get("replicas") == 2 else None
+
+        seen_at = wait_for("a second replica in the pool", proc, out, step_with_two)
+        wait_for(
+            f"step {seen_at + STEPS_WITH_TWO}", proc, out,
+            lambda: int((run_status(url) or {}).get("step") or 0) >= seen_at + STEPS_WITH_TWO,
+        )  # fmt: skip
+        httpx.post(f"{url}/v1/runs/demo/stop", timeout=10).raise_for_status()
+        returncode = proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:  # a failed wait: stop `up` (it stops its services) before failing
+            proc.terminate()
+            proc.wait(timeout=120)
+    output = out.read_text()
+    # a stopped run ends `up` with 1; the summary says how it ended
+    assert returncode == 1 and "run demo: stopped at step" in output, output[-3000:]
     return run_dir
 
 
@@ -59,5 +116,7 @@ def test_up_added_a_replica_that_received_work(scaled_run: Path, books: redis.Re
 def test_books_balance_after_scaling(scaled_run: Path, books: redis.Redis) -> None:
     run = scaled_run / "demo"
     result = ledger.check(books, "demo", run / "checkpoints", weights_root=str(run / "weights"))
-    assert result.count()[ledger.TRAINED] == STEPS * 8
-    assert books.hget("rlfabric:demo:counters", "groups_trained") == str(STEPS * 8).encode()
+    trained = result.count()[ledger.TRAINED]
+    assert books.hget("rlfabric:demo:counters", "groups_trained") == str(trained).encode()
+    stopped_at = int(re.search(r"run demo: stopped at step (\d+)", (scaled_run / "up.out").read_text())[1])
+    assert trained >= stopped_at * 8 > 0
