@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -210,8 +211,11 @@ def run_rlfabric(
     compile_: bool,
     placement: Placement,
     timeout_s: float,
+    compile_cache: Path | None = None,
 ) -> dict[str, Any]:
-    """One `rlfabric up`, its vLLM replica and learner placed on the cores as `placement` says."""
+    """One `rlfabric up`, its vLLM replica and learner placed on the cores as `placement` says.
+    `compile_cache`: where vLLM's and torch inductor's compile caches go (VLLM_CACHE_ROOT and
+    TORCHINDUCTOR_CACHE_DIR); None leaves them where the environment says."""
     run_dir = work / "rlfabric"
     run_dir.mkdir(parents=True)
     run_file = run_dir / "run.json"
@@ -223,11 +227,23 @@ def run_rlfabric(
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     if placement.learner_threads is not None:
         env["OMP_NUM_THREADS"] = str(placement.learner_threads)
+    if compile_cache is not None:
+        env["VLLM_CACHE_ROOT"] = str(compile_cache / "vllm")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache / "inductor")
     start, cpu = run_tree(argv, run_dir / "up.out", env, timeout_s)
     end = time.time()
     rows = [json.loads(line) for line in (run_dir / "e2e" / "metrics.jsonl").read_text().splitlines()]
     steps = [rlfabric_step(r) for r in rows]
-    return summarize(steps, task, start, end, cpu)
+    return {
+        **summarize(steps, task, start, end, cpu),
+        "ready_s": ready_times((run_dir / "up.out").read_text()),
+    }
+
+
+def ready_times(up_output: str) -> dict[str, float]:
+    """Seconds from launch to ready line of each process `rlfabric up` started ("rollout-0 ready (pid
+    123, 51 s)")."""
+    return {m[1]: float(m[2]) for m in re.finditer(r"^\s*(\S+) ready \(pid \d+, (\d+) s\)", up_output, re.M)}
 
 
 def rlfabric_step(row: dict[str, Any]) -> dict[str, Any]:

@@ -118,7 +118,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: --quick, --repeats, --output-dir."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (CI smoke run)")
-    parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement (default %(default)s)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="repeats per measurement (default %(default)s)"
+    )
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="where results go")
     return parser
 

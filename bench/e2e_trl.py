@@ -129,6 +129,7 @@ def measure(
                     compile_=args.compile,
                     placement=placement(args),
                     timeout_s=args.timeout,
+                    compile_cache=work / "compile-cache" if args.compile_cache == "warm" else where / "cache",
                 )
             else:
                 run = run_trl(task, where, timeout_s=args.timeout)
@@ -255,6 +256,19 @@ def rlfabric_split(ours: list[dict[str, Any]], med: Callable[[list[dict[str, Any
     )
 
 
+def startup_lines(results: dict[str, list[dict[str, Any]]], args: Any) -> list[str]:
+    """Start-up, median over the repeats: each system's first step, and rlfabric's processes' ready times
+    (launched together, so they overlap)."""
+    lines = ["", f"Start-up (medians; rlfabric's compile cache {args.compile_cache}):", ""]
+    for system, runs in results.items():
+        first = f"- {system}: first step ends after {fmt(stats(runs, 'first_step_end_s').median)} s"
+        ready = [r.get("ready_s", {}) for r in runs]
+        names = [n for n in ready[0] if n != "redis"] if ready else []
+        times = [f"{n} {fmt(statistics.median(r[n] for r in ready if n in r))} s" for n in names]
+        lines.append(first + (f"; ready after launch: {', '.join(times)}" if times else "") + ".")
+    return lines
+
+
 def report(
     results: dict[str, list[dict[str, Any]]],
     task: Task,
@@ -289,6 +303,7 @@ def report(
         "Where a steady step's time goes (medians):",
         "",
         *split_lines(results),
+        *startup_lines(results, args),
         "",
         f"Machine: {machine_line(machine)}; load at the end {machine_info()['load_avg_1m']:.2f}.",
         "",
@@ -356,6 +371,14 @@ def parse_args() -> Any:
         "start-up, excluded from the steady figure) or eager",
     )
     parser.add_argument(
+        "--compile-cache",
+        choices=["cold", "warm"],
+        default="cold",
+        help="rlfabric's vLLM and inductor compile caches: cold (default: a fresh one per run, a first "
+        "start on a new machine) or warm (one shared by this bench's runs: the first run fills it, the "
+        "later ones start as a user's second run does); start-up only, the steady figure leaves it out",
+    )
+    parser.add_argument(
         "--placement",
         choices=["split", "shared", "per-core"],
         help="rlfabric's cores: split (one vLLM replica on core 0, learner 1 thread; default with "
@@ -415,6 +438,7 @@ def write_all(
         "task": {k: v for k, v in asdict(task).items() if k not in ("model", "prompts")},
         "preset": "tiny" if args.quick else "bench",
         "vllm_compiled": bool(args.compile and not args.quick),
+        "compile_cache": args.compile_cache,
         "placement": asdict(placement(args)),
         "goal": GOAL,
         "comparison": cmp,

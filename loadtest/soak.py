@@ -101,8 +101,8 @@ def main() -> int:
 
 
 class UpOutput:
-    """`up`'s output, read without blocking and handled in whole lines (it prints "starting x ..." and
-    "ready (pid n)" as two writes), copied to up.log: the pid of each process and the run page's URL."""
+    """`up`'s output, read without blocking and handled in whole lines, copied to up.log: the pid of each
+    process ("x ready (pid n, t s)") and the run page's URL."""
 
     def __init__(self, stream: IO[bytes], log: IO[str]) -> None:
         self.fd, self.log = stream.fileno(), log
@@ -118,7 +118,7 @@ class UpOutput:
         *lines, self.partial = self.partial.split("\n")
         for line in lines:
             self.log.write(line + "\n")
-            if m := re.search(r"starting (\S+) \.\.\. ready \(pid (\d+)\)", line):
+            if m := re.search(r"^\s*(\S+) ready \(pid (\d+)", line):
                 self.pids[m[1]] = int(m[2])
             if m := re.search(r"page: (http://\S+)/runs/", line):
                 self.url = m[1]

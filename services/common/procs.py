@@ -56,6 +56,11 @@ class ServiceProcess:
 
     def start(self, ready: str | re.Pattern[str], timeout_s: float = 120.0) -> re.Match[str]:
         """Starts the process and waits until a line matches `ready`; returns that match."""
+        self.launch()
+        return self.wait_for(ready, timeout_s)
+
+    def launch(self) -> None:
+        """Starts the process without waiting for it (`wait_for` its ready line later)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             self.argv,
@@ -70,7 +75,6 @@ class ServiceProcess:
         assert self.proc.stdout is not None
         self._drain = threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True)
         self._drain.start()
-        return self.wait_for(ready, timeout_s)
 
     def _pump(self, stream: IO[str]) -> None:
         with self.log_path.open("a") as log:

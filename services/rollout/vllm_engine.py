@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any, Literal
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -61,6 +62,15 @@ VLLM_LOGPROBS_MODE: dict[LogprobsMode, Literal["processed_logprobs", "raw_logpro
     "raw": "raw_logprobs",
 }
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def cpu_compile_cache_defaults(environ: MutableMapping[str, str], *, cpu: bool) -> None:
+    """On CPU, vLLM 0.32's AOT-compiled model (its default with torch >= 2.10) is saved to the compile
+    cache but fails to load from it ("'function' object has no attribute 'finalize_loading'"), so every
+    compiled start compiled again: ~40-70 s of a replica's start on two cores. Its older compile cache
+    loads: ~10 s with a warm cache. Hence `VLLM_USE_AOT_COMPILE=0` on CPU unless the caller set it."""
+    if cpu:
+        environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def executor_backend(worker_wait: Literal["spin", "block"]) -> str | None:
@@ -142,6 +152,7 @@ class VllmEngine(Engine):
         self._tokenizer = ChatTokenizer(self.model_path)
         self._expected_weights = checkpoint_shapes(resolve_model_dir(self.model_path))
         recorder = self._stats
+        cpu_compile_cache_defaults(os.environ, cpu=current_platform.is_cpu())  # before the engine spawns
         self._llm = AsyncLLM.from_engine_args(self._args, stat_loggers=[lambda config, index: recorder])
 
     async def close(self) -> None:

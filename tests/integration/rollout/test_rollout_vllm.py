@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from rlfabric.common import weights as store
 from rlfabric.common.procs import ServiceProcess
 from rlfabric.common.tiny_model import make_tiny_model
+from rlfabric.rollout.vllm_engine import cpu_compile_cache_defaults
 from rlfabric.rollout.vllm_executor import BLOCKING_MESSAGE
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -217,3 +218,17 @@ def test_broadcast_update(
     samples = generate(stub)
     assert {s.policy_version for s in samples} == {3}
     assert_matches(tiny_model_dir, new, samples)
+
+
+def test_on_cpu_the_compile_cache_that_loads_is_chosen_unless_the_caller_chose() -> None:
+    """vLLM's AOT-compiled artifacts do not load on CPU (every compiled start compiled again); its older
+    cache path does. GPU platforms keep vLLM's default, and an explicit setting always wins."""
+    environ: dict[str, str] = {}
+    cpu_compile_cache_defaults(environ, cpu=True)
+    assert environ == {"VLLM_USE_AOT_COMPILE": "0"}
+    chosen = {"VLLM_USE_AOT_COMPILE": "1"}
+    cpu_compile_cache_defaults(chosen, cpu=True)
+    assert chosen == {"VLLM_USE_AOT_COMPILE": "1"}
+    elsewhere: dict[str, str] = {}
+    cpu_compile_cache_defaults(elsewhere, cpu=False)
+    assert elsewhere == {}
