@@ -157,9 +157,10 @@ class Stack:
 
 
 def vllm_env(*, compile_: bool) -> dict[str, str]:
-    """The replicas' environment. vLLM's compile cache stays where vLLM keeps it (`VLLM_CACHE_ROOT`,
-    default ~/.cache/vllm), shared by runs: a compiled replica of a model and engine configuration seen
-    before starts in ~10 s of compiling instead of ~40-70 s on two cores."""
+    """The replicas' environment. The compile caches stay where vLLM and torch keep them, shared by runs
+    (`VLLM_CACHE_ROOT`, default ~/.cache/vllm; on CPU the compiled graphs are in torch inductor's
+    `TORCHINDUCTOR_CACHE_DIR`, default /tmp/torchinductor_<user>): a compiled replica of a model and
+    engine configuration seen before spends ~10 s compiling instead of ~40-70 s on two cores."""
     env = {
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
