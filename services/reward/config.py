@@ -37,3 +37,10 @@ class RewardServiceConfig(StrictModel):
     )
     """Cheap scorers run on a thread of the server process, where a process hop would cost more than the
     scoring itself."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on Score and ListScorers (health checks stay open); set it from
+    RLFABRIC_REWARD__TOKEN. The process refuses to start without it unless `insecure`."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve reward --insecure`): `token` is no longer required at
+    start (when set it is still enforced) and a WARNING is logged. For tests and loopback only: without a
+    token anyone who reaches the port can run the scorers."""
