@@ -82,6 +82,7 @@ class RunManager:
             self.config.reward_address,
             self.config.max_stream_length,
             self.config.scaling,
+            reward_token=self.config.reward_token,
         )
         return await pipeline.run(lambda: self.store.stop_requested(record.run_id))
 

@@ -11,8 +11,13 @@
                    with backpressure on the undelivered backlog; or drop it with a recorded reason
 
 A replica that fails mid-generation is excluded for a while and the group is re-dispatched elsewhere
-(counted). Every drop is recorded in `rlfabric:{run}:dropped` with its reason, so the books balance:
-each drawn prompt is enqueued once, dropped with a reason, or still in flight.
+(counted). A prompt the replica refuses as invalid (INVALID_ARGUMENT naming `prompts[i]`: longer than the
+context, empty) is dropped with the reason `invalid_prompt`, never retried and never blamed on the replica.
+Generated samples are held until they are enqueued: a reward service that fails is retried with backoff
+(`score_retries`, and a warning in the run status while it lasts), never answered by generating again.
+Acknowledged stream entries are trimmed periodically (their summaries kept, see `streams.trim_acknowledged`).
+Every drop is recorded in `rlfabric:{run}:dropped` with its reason, so the books balance: each drawn
+prompt is enqueued once, dropped with a reason, or still in flight.
 """
 
 from __future__ import annotations
@@ -163,10 +168,14 @@ class RunPipeline:
         reward_address: str,
         max_stream_length: int,
         scaling: ScalingConfig | None = None,
+        *,
+        reward_token: str | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
         self.keys = Keys(run_id)
-        self.reward = AsyncRewardClient(reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30)
+        self.reward = AsyncRewardClient(
+            reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30, token=reward_token
+        )
         self.reward_spec = spec_from_reward_spec(spec.reward)
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
