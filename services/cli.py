@@ -114,6 +114,13 @@ def add_serve(sub: Any) -> None:
         for flag, key, text in entry.flags:
             p.add_argument(flag, dest=key, help=f"{text} (sets {key})")
         p.add_argument(
+            "--insecure",
+            action="store_true",
+            default=None,
+            help="serve without the required credentials (logs a warning; tests and loopback only; "
+            "sets insecure)",
+        )
+        p.add_argument(
             "--print-config", action="store_true", help="print the effective configuration as JSON and exit"
         )
 
@@ -180,6 +187,7 @@ def run_serve(args: argparse.Namespace) -> int:
             entry.host_key: args.host,
             entry.port_key: args.port,
             **{key: getattr(args, key) for _, key, _ in entry.flags},
+            "insecure": args.insecure,
         },
     )
     if args.print_config:

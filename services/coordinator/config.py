@@ -15,8 +15,9 @@ class ApiConfig(StrictModel):
     """Address to bind."""
     port: int = Field(default=8000, ge=0, le=65535)
     """Port to bind; 0 picks a free port."""
-    token: str | None = None
-    """Bearer token required on every /v1 route; set it from RLFABRIC_COORDINATOR__API__TOKEN."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on every /v1 route; set it from RLFABRIC_COORDINATOR__API__TOKEN. The
+    process refuses to start without it unless `insecure`."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     """Request bodies larger than this get 413."""
 
@@ -45,9 +46,19 @@ class CoordinatorServiceConfig(StrictModel):
     """Run state, replica registry and the scored-group streams."""
     reward_address: str = "127.0.0.1:50052"
     """host:port of the reward service."""
+    reward_token: str | None = Field(default=None, min_length=1)
+    """Bearer token sent on every call to the reward service (its `token`); set it from
+    RLFABRIC_COORDINATOR__REWARD_TOKEN. Required at start unless `insecure`."""
     learner_address: str | None = None
     """host:port of the learner's status API; None when the learner reports through Redis only."""
+    learner_token: str | None = Field(default=None, min_length=1)
+    """Bearer token sent to the learner's status API (its `token`); set it from
+    RLFABRIC_COORDINATOR__LEARNER_TOKEN. Required at start when `learner_address` is set, unless
+    `insecure`."""
     max_stream_length: int = Field(default=1024, ge=1)
     """Backpressure: stop enqueueing while the run's stream holds this many unconsumed groups."""
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve coordinator --insecure`): the tokens above are no longer
+    required at start (those set are still used) and a WARNING is logged. For tests and loopback only."""

@@ -32,5 +32,12 @@ class LearnerServiceConfig(StrictModel):
     longest time an entry legitimately stays unacknowledged: checkpoint_every steps plus a checkpoint."""
     rollout_addresses: list[str] = Field(default_factory=list)
     """Replicas to notify of new versions directly (the coordinator does it when empty)."""
-    publish_token: str | None = None
-    """Bearer token presented on UpdateWeights; set it from RLFABRIC_LEARNER__PUBLISH_TOKEN."""
+    publish_token: str | None = Field(default=None, min_length=1)
+    """Bearer token presented on UpdateWeights (the replicas' `learner_token`); set it from
+    RLFABRIC_LEARNER__PUBLISH_TOKEN."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on LearnerService.GetStatus; set it from RLFABRIC_LEARNER__TOKEN. The process
+    refuses to start without it unless `insecure` (offline preference mode serves no API and needs none)."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve learner --insecure`): `token` is no longer required at
+    start (when set it is still enforced) and a WARNING is logged. For tests and loopback only."""

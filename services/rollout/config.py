@@ -65,10 +65,16 @@ class RolloutServiceConfig(StrictModel):
     """How often a replica bound to a run checks the learner's announced version (and loads it)."""
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Registry heartbeat interval; the entry expires after three missed beats."""
-    learner_token: str | None = None
-    """Bearer token required on UpdateWeights; set it from RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file."""
+    learner_token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on UpdateWeights (the learner's `publish_token`); set it from
+    RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file. The process refuses to start without it unless
+    `insecure`."""
     update_timeout_s: float = Field(default=120.0, gt=0)
     """Default limit on a whole weight update."""
     min_version_wait_s: float = Field(default=30.0, gt=0)
     """A Generate request with `min_policy_version` above the serving version waits this long for it
     (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve rollout --insecure`): `learner_token` is no longer
+    required at start (when set it is still enforced) and a WARNING is logged. For tests and loopback
+    only: without a token anyone who reaches the port can replace the weights."""
