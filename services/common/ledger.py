@@ -11,7 +11,8 @@ What the services record (the Guarantees of the design brief turned into data):
   `:inflight`; group ids enqueued (once each, by a Lua script) in the set `:enqueued`; groups it dropped,
   with a reason (scorer_error, zero_variance, ...), in the stream `:dropped`;
 - the stream `:groups` (consumer group "learner") with one entry per enqueued group, its pending entries
-  (delivered, not acknowledged) and the group's last-delivered id;
+  (delivered, not acknowledged) and the group's last-delivered id; entries acknowledged and trimmed since
+  are read from their summaries in `:groups:trimmed` (`streams.trim_acknowledged`), as acknowledged;
 - learner: groups dropped as stale in `:dropped` (reason "stale"), refused entries in `:groups:dead`,
   one metrics row per step in `:metrics` (with the policy version it published), and in its newest
   complete checkpoint the applied-group ledger and the ordered log of `[step, group_id]` it trained on.
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key, parse_id
+from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key, parse_id, trimmed_key
 from rlfabric.v1.queue_pb2 import ScoredGroup
 
 _CHECKPOINT = re.compile(r"^step-(\d{6,})$")
@@ -174,10 +175,17 @@ def read_books(
     )
 
 
+def _trimmed_entries(redis: Any, run_id: str) -> list[StreamEntry]:
+    """The entries trimmed from the stream (every one acknowledged when it was trimmed), oldest first."""
+    rows = [(parse_id(_text(i)), json.loads(_text(v))) for i, v in redis.hgetall(trimmed_key(run_id)).items()]
+    return [StreamEntry(f"{i[0]}-{i[1]}", g, tuple(v), "acked") for i, (g, v) in sorted(rows)]
+
+
 def _stream_entries(redis: Any, run_id: str) -> list[StreamEntry]:
     key = groups_key(run_id)
+    trimmed = _trimmed_entries(redis, run_id)
     if not redis.exists(key):
-        return []
+        return trimmed
     info = next((i for i in redis.xinfo_groups(key) if _text(i["name"]) == CONSUMER_GROUP), None)
     last = parse_id(info["last-delivered-id"]) if info else (0, 0)
     rows = redis.xpending_range(key, CONSUMER_GROUP, "-", "+", 1 << 30) if info is not None else []
@@ -188,7 +196,7 @@ def _stream_entries(redis: Any, run_id: str) -> list[StreamEntry]:
         state = "pending" if entry_id in pending else "acked" if parse_id(entry_id) <= last else "undelivered"
         data = raw.get(b"data", raw.get("data", b""))
         entries.append(StreamEntry(entry_id, *_decode(data, raw), state))  # type: ignore[arg-type]
-    return entries
+    return trimmed + entries
 
 
 def _decode(data: bytes | str, raw: dict[Any, Any]) -> tuple[str, tuple[int, ...]]:

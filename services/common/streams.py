@@ -9,8 +9,10 @@ Invariants this module keeps:
   while the group's lag (entries appended but not yet delivered to any consumer) is at least `max_len`.
   One producer object never overshoots (its appends are serialised); several producers sharing a run can
   overshoot by at most one entry each, since check and XADD are two commands.
-- `trim_acknowledged` removes only entries below both the oldest pending id and the first undelivered id,
-  i.e. entries every consumer has acknowledged.
+- `trim_acknowledged` removes only entries below, for every consumer group, both its oldest pending id and
+  its first undelivered id, i.e. entries every consumer has acknowledged; in the same MULTI it keeps each
+  removed entry's summary (group id, policy versions) in `rlfabric:{run}:groups:trimmed`, so the ledger
+  still sees every entry the stream ever held while the payloads (the bulk of Redis memory) go.
 - The consumer group is created at id 0, so entries appended before the learner starts are delivered.
 
 Importable without torch: the coordinator uses it. The Redis client must be a `redis.asyncio.Redis` made
@@ -20,10 +22,12 @@ with `decode_responses=False` (payloads are bytes).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
 from rlfabric.v1.queue_pb2 import ScoredGroup
@@ -48,6 +52,12 @@ def dead_letter_key(run_id: str) -> str:
     """The dead-letter stream: entries the learner refused, with the error and the original payload."""
     _check_run_id(run_id)
     return f"rlfabric:{run_id}:groups:dead"
+
+
+def trimmed_key(run_id: str) -> str:
+    """Hash of the entries trimmed from the groups stream: entry id -> JSON [group id, [policy versions]]."""
+    _check_run_id(run_id)
+    return f"rlfabric:{run_id}:groups:trimmed"
 
 
 def _check_run_id(run_id: str) -> None:
@@ -117,25 +127,54 @@ def format_id(parts: tuple[int, int]) -> str:
 
 
 async def trim_floor(redis: aioredis.Redis, run_id: str) -> str:
-    """The lowest id that must be kept: min(oldest pending id, first id after the last-delivered one).
+    """The lowest id that must be kept: over every consumer group of the stream, the minimum of its oldest
+    pending id and the first id after its last-delivered one ("0-0", keep everything, without a group).
 
-    Every entry below it was delivered and acknowledged. Safe against concurrent consumers: new pending
-    entries only ever have ids above the last-delivered id read here, so the floor can only rise.
+    Every entry below it was delivered to and acknowledged by every group. Safe against concurrent
+    consumers: new pending entries only ever have ids above the last-delivered id read here, so the floor
+    can only rise.
     """
-    info = await group_info(redis, run_id)
+    groups = await redis.xinfo_groups(groups_key(run_id))
+    floors = [await _group_floor(redis, run_id, info) for info in groups]
+    return format_id(min(floors)) if floors else "0-0"
+
+
+async def _group_floor(redis: aioredis.Redis, run_id: str, info: dict[str, Any]) -> tuple[int, int]:
     last = parse_id(info["last-delivered-id"])
     floor = (last[0], last[1] + 1)
     if int(info["pending"]) > 0:
-        summary = await redis.xpending(groups_key(run_id), CONSUMER_GROUP)
+        summary = await redis.xpending(groups_key(run_id), as_str(info["name"]))
         if summary["min"] is not None:
             floor = min(floor, parse_id(summary["min"]))
-    return format_id(floor)
+    return floor
 
 
-async def trim_acknowledged(redis: aioredis.Redis, run_id: str) -> int:
-    """Deletes acknowledged entries (those below `trim_floor`); returns how many were removed."""
+def entry_summary(fields: dict[bytes, bytes]) -> str:
+    """What the ledger needs of a trimmed entry: JSON [group id, sorted distinct policy versions] (no
+    versions for a payload that is not a ScoredGroup)."""
+    group_id = as_str(fields.get(GROUP_ID_FIELD, b""))
+    try:
+        group = ScoredGroup.FromString(fields.get(DATA_FIELD, b""))
+    except DecodeError:
+        return json.dumps([group_id, []])
+    versions = {group.policy_version, *(s.policy_version for s in group.samples)}
+    return json.dumps([group.group_id or group_id, sorted(versions)])
+
+
+async def trim_acknowledged(redis: aioredis.Redis, run_id: str, *, batch: int = 1000) -> int:
+    """Deletes up to `batch` acknowledged entries (those below `trim_floor`), recording each one's
+    `entry_summary` in `trimmed_key` in the same MULTI; returns how many were removed."""
+    key = groups_key(run_id)
     floor = await trim_floor(redis, run_id)
-    return int(await redis.xtrim(groups_key(run_id), minid=floor, approximate=False))
+    entries = await redis.xrange(key, min="-", max="(" + floor, count=batch)
+    if not entries:
+        return 0
+    last = parse_id(entries[-1][0])
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(trimmed_key(run_id), mapping={as_str(i): entry_summary(f) for i, f in entries})
+        pipe.xtrim(key, minid=format_id((last[0], last[1] + 1)), approximate=False)
+        _, removed = await pipe.execute()
+    return int(removed)
 
 
 class BackpressureTimeout(TimeoutError):

@@ -3,6 +3,7 @@ balance passes with every outcome counted, and each way books can fail to balanc
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import fakeredis
 import pytest
 
 from rlfabric.common.ledger import IN_FLIGHT, TRAINED, LedgerViolation, check, read_books, reconcile
-from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key
+from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key, trim_acknowledged
 from rlfabric.v1 import common_pb2, queue_pb2
 
 RUN = "books"
@@ -21,7 +22,8 @@ class Run:
     """Writes a run's books the way the coordinator and the learner do (same keys, same fields)."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.redis = fakeredis.FakeRedis()
+        self.server = fakeredis.FakeServer()
+        self.redis = fakeredis.FakeRedis(server=self.server)
         self.root = tmp_path / "checkpoints"
         self.entry: dict[str, bytes] = {}
         self.applied: list[list[object]] = []
@@ -85,6 +87,10 @@ class Run:
         }
         (folder / "meta.json").write_text(json.dumps({"step": step, "policy_version": step, "extra": extra}))
         (folder / "COMPLETE").write_text("{}")
+
+    def trim(self) -> int:
+        """The production trim (`streams.trim_acknowledged`) on these books."""
+        return asyncio.run(trim_acknowledged(fakeredis.FakeAsyncRedis(server=self.server), RUN))
 
     def violations(self) -> list[str]:
         return reconcile(read_books(self.redis, RUN, self.root)).violations
@@ -236,3 +242,27 @@ def test_a_drop_recorded_twice_is_one_outcome(run: Run) -> None:
     run.redis.xadd(f"{BASE}:dropped", {"group_id": "c", "reason": "stale", "lag": "2"})  # a retried XADD
     ledger = check(run.redis, RUN, run.root)
     assert ledger.outcomes["c"] == ["dropped:stale"]
+
+
+def test_trimmed_books_still_balance_with_the_same_outcomes(run: Run) -> None:
+    before = check(run.redis, RUN, run.root).count()
+    assert run.trim() == 4  # a, b (trained), c (stale), d (dead-lettered): all acknowledged
+    assert run.redis.xlen(groups_key(RUN)) == 2  # e, f undelivered: kept
+    assert check(run.redis, RUN, run.root).count() == before
+
+
+def test_a_trimmed_entry_never_trained_is_still_lost(run: Run) -> None:
+    run.deliver()
+    run.ack("e")  # acknowledged, never trained nor dropped
+    run.trim()
+    assert any("('e') acknowledged but never trained" in v for v in run.violations())
+
+
+def test_a_trimmed_entry_of_an_unpublished_version_still_fails(run: Run) -> None:
+    run.dispatch("g")
+    run.enqueue("g", version=7)
+    run.deliver()
+    run.train(2, "e", "f", "g", version=2)
+    run.trim()
+    assert run.redis.xlen(groups_key(RUN)) == 0
+    assert "group 'g' carries unpublished versions [7]" in run.violations()

@@ -20,7 +20,9 @@ from rlfabric.common.streams import (
     encode_entry,
     groups_key,
     parse_id,
+    trim_acknowledged,
     trim_floor,
+    trimmed_key,
 )
 from rlfabric.learner.queue import (
     REASON_DECODE,
@@ -242,3 +244,19 @@ async def test_backpressure_times_out_when_full(redis: fakeredis.FakeAsyncRedis)
     await GroupConsumer(redis, RUN, "c1").read(1)
     await producer.append(make_group("g2"), timeout_s=0.05)
     assert await redis.xlen(groups_key(RUN)) == 3
+
+
+async def test_trim_waits_for_every_consumer_group_and_keeps_summaries(
+    redis: fakeredis.FakeAsyncRedis,
+) -> None:
+    producer = GroupProducer(redis, RUN, max_len=10)
+    ids = [await producer.append(make_group(f"g{i}", version=i)) for i in range(3)]
+    await redis.xgroup_create(groups_key(RUN), "audit", id="0")
+    consumer = GroupConsumer(redis, RUN, "c1", expected_n=2)
+    await consumer.ack([d.entry_id for d in await consumer.read(3)])
+    assert await trim_acknowledged(redis, RUN) == 0  # "audit" has read nothing yet
+    await redis.xreadgroup("audit", "a1", {groups_key(RUN): ">"}, count=2)
+    await redis.xack(groups_key(RUN), "audit", ids[0])
+    assert await trim_acknowledged(redis, RUN) == 1  # ids[1] pending in "audit", ids[2] undelivered
+    assert await redis.xlen(groups_key(RUN)) == 2
+    assert await redis.hgetall(trimmed_key(RUN)) == {ids[0].encode(): b'["g0", [0]]'}
