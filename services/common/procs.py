@@ -5,6 +5,11 @@ A service announces readiness by printing a line (e.g. "rlfabric reward service 
 caller learns the ephemeral port the service bound. Output keeps draining to a log file afterwards, so a
 chatty process never blocks on a full pipe. `stop` sends SIGTERM to the process (by PID, never by name),
 waits for its graceful shutdown, and SIGKILLs it only past the grace period.
+
+With `guarded=True` the process runs under `rlfabric.common.guard`, which kills everything the service
+started when the service exits and everything when the guard's parent (this process) disappears, even by
+SIGKILL; `pid` is then the guard's and `service_pid` the service's own. A process may be launched again
+after it exited (a restart): the same log file continues, the ready-line wait starts afresh.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
+
+from rlfabric.common.guard import PID_LINE
 
 
 class ServiceStartError(RuntimeError):
@@ -37,9 +45,15 @@ class ServiceProcess:
         log_path: str | Path,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        guarded: bool = False,
+        guard_grace_s: float = 5.0,
     ) -> None:
         self.name = name
         self.argv = list(argv)
+        self.guarded = guarded
+        """Run under `rlfabric.common.guard` (see the module docstring)."""
+        self.guard_grace_s = guard_grace_s
+        """The guard's grace from SIGTERM to SIGKILL once this process's parent is gone."""
         self.log_path = Path(log_path)
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
@@ -48,11 +62,32 @@ class ServiceProcess:
         self._lines: deque[str] = deque()
         self._new_line = threading.Condition()
         self._drain: threading.Thread | None = None
+        self._service_pid: int | None = None
+        self.launched_at = 0.0
+        """time.monotonic() of the latest launch."""
 
     @property
     def pid(self) -> int:
+        """The PID of the launched process (the guard's when guarded)."""
         assert self.proc is not None, "not started"
         return self.proc.pid
+
+    @property
+    def service_pid(self) -> int | None:
+        """The service's own PID: `pid` unless guarded; under a guard, None until the guard announced it."""
+        return self._service_pid if self.guarded else (self.proc.pid if self.proc else None)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the latest launch exited (a guard reports 128 + N for a death by signal N)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        """The argv actually executed: the service's, behind the guard when guarded."""
+        if not self.guarded:
+            return self.argv
+        guard = [sys.executable, "-m", "rlfabric.common.guard", "--grace", str(self.guard_grace_s)]
+        return [*guard, "--", *self.argv]
 
     def start(self, ready: str | re.Pattern[str], timeout_s: float = 120.0) -> re.Match[str]:
         """Starts the process and waits until a line matches `ready`; returns that match."""
@@ -60,10 +95,16 @@ class ServiceProcess:
         return self.wait_for(ready, timeout_s)
 
     def launch(self) -> None:
-        """Starts the process without waiting for it (`wait_for` its ready line later)."""
+        """Starts the process without waiting for it (`wait_for` its ready line later). A process that
+        exited may be launched again."""
+        assert not self.running(), f"{self.name} is running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._new_line:
+            self._lines.clear()
+            self._service_pid = None
+        self.launched_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.argv,
+            self.command(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -82,6 +123,8 @@ class ServiceProcess:
                 log.write(line)
                 log.flush()
                 with self._new_line:
+                    if self.guarded and self._service_pid is None and line.startswith(PID_LINE):
+                        self._service_pid = int(line[len(PID_LINE) :])
                     self.tail.append(line.rstrip("\n"))
                     self._lines.append(line)
                     self._new_line.notify_all()
