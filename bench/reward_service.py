@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -62,6 +63,8 @@ BATCH = 64
 GOAL_RATIO_PER_CORE = 0.9
 GOAL_EXACT_ITEMS_PER_S = 50_000.0
 CALL_TIMEOUT_S = 300.0
+TOKEN = "bench-reward-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 # The baseline thread must get at least this much of a core for wall-clock ratios to mean anything.
 MIN_BASELINE_BUSY = 0.9
 # Client connections the calls in flight are spread over (the kernel spreads connections, not calls, over
@@ -181,7 +184,8 @@ def reward_service(workers: int, log_dir: Path, processes: int = 1) -> Iterator[
         "--set", "server.metrics_port=0", "--set", "log.format=text",
     ]  # fmt: skip
     name = f"reward-w{workers}-p{processes}"
-    proc = ServiceProcess(name, argv, log_path=log_dir / f"{name}.log")
+    env = {**os.environ, "RLFABRIC_REWARD__TOKEN": TOKEN}  # as deployed: every call pays the token check
+    proc = ServiceProcess(name, argv, log_path=log_dir / f"{name}.log", env=env)
     try:
         proc.start(r"metrics on http://\S+", timeout_s=120)
         address = proc.wait_for(r"listening on (\S+)", timeout_s=120).group(1)
@@ -248,7 +252,7 @@ async def _lane(
         if time.perf_counter() >= end:
             return
         began = time.perf_counter()
-        response = await stub.Score(request, timeout=CALL_TIMEOUT_S)
+        response = await stub.Score(request, timeout=CALL_TIMEOUT_S, metadata=AUTH)
         run.latencies_s.append(time.perf_counter() - began)
         run.items += len(response.results)
         run.statuses.update(STATUS_NAMES.get(r.reward.status, "unknown") for r in response.results)

@@ -57,6 +57,8 @@ from common import (
 NAME = "rollout_service"
 GOAL = 0.95
 HOST = "127.0.0.1"
+LEARNER_TOKEN = "bench-learner-token"  # the replicas' UpdateWeights token
+AUTH = (("authorization", f"Bearer {LEARNER_TOKEN}"),)
 LOG_DIR = Path(tempfile.gettempdir()) / f"rlfabric-bench-rollout-logs-{os.getuid()}"
 
 
@@ -146,7 +148,7 @@ def start_replica(model: Path, load: Load, weights_root: Path, env: dict[str, st
         f"rollout-{model.name}",
         argv,
         log_path=LOG_DIR / f"rollout-{model.name}.log",
-        env={**os.environ, **env},
+        env={**os.environ, **env, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": LEARNER_TOKEN},
     )
     address = proc.start(r"listening on (\S+)", timeout_s=600).group(1)
     proc.wait_for(r"serving version", timeout_s=600)
@@ -310,7 +312,7 @@ def update_object_store(stub: Any, root: Path, version: int, sd: dict[str, Any])
     published = time.perf_counter()
     source = rollout_pb2.ObjectStoreSource(root_url=str(root))
     reply = stub.UpdateWeights(
-        rollout_pb2.UpdateWeightsRequest(version=version, object_store=source), timeout=300
+        rollout_pb2.UpdateWeightsRequest(version=version, object_store=source), timeout=300, metadata=AUTH
     )
     updated = time.perf_counter()
     probe(stub, version)
@@ -335,7 +337,7 @@ def update_broadcast(stub: Any, version: int, sd: dict[str, Any]) -> dict[str, f
     sender = threading.Thread(target=send)
     sender.start()
     request = rollout_pb2.UpdateWeightsRequest(version=version, broadcast=source, timeout_seconds=300)
-    reply = stub.UpdateWeights(request, timeout=330)
+    reply = stub.UpdateWeights(request, timeout=330, metadata=AUTH)
     sender.join(330)
     if "stats" not in sent:
         raise RuntimeError("the broadcast sender did not finish")

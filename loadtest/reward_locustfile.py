@@ -1,6 +1,6 @@
 """Locust load test of the reward service's `Score` RPC (gRPC, batches of 64 items by default).
 
-    locust -f loadtest/reward_locustfile.py --headless -u 20 -r 20 -t 30s \\
+    RLFABRIC_REWARD_TOKEN=... locust -f loadtest/reward_locustfile.py --headless -u 20 -r 20 -t 30s \\
         -H 127.0.0.1:50052 --scorer exact_match --batch-size 64
 
 Each simulated user keeps one Score call in flight, back to back (no think time), cycling over
@@ -12,7 +12,8 @@ p50/p99 latency per call.
 
 Flags (or environment variables): `-H`/`LOCUST_HOST` the target host:port (loopback by default),
 `--scorer`/`REWARD_SCORER` (exact_match or math_verify), `--batch-size`/`REWARD_BATCH_SIZE`,
-`--distinct-items`/`REWARD_DISTINCT_ITEMS`, `--call-timeout`/`REWARD_CALL_TIMEOUT`.
+`--distinct-items`/`REWARD_DISTINCT_ITEMS`, `--call-timeout`/`REWARD_CALL_TIMEOUT`, `--token`/
+`RLFABRIC_REWARD_TOKEN` the service's bearer token (sent on every call, as the coordinator does).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--batch-size", type=int, default=64, env_var="REWARD_BATCH_SIZE")
     group.add_argument("--distinct-items", type=int, default=2048, env_var="REWARD_DISTINCT_ITEMS")
     group.add_argument("--call-timeout", type=float, default=60.0, env_var="REWARD_CALL_TIMEOUT")
+    group.add_argument("--token", default="", env_var="RLFABRIC_REWARD_TOKEN", help="the service's token")
 
 
 def make_items(scorer: str, n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -104,6 +106,7 @@ class RewardUser(User):
         self.requests = itertools.cycle(requests[offset:] + requests[:offset])  # users start apart
         self.channel = grpc.insecure_channel(self.host, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {options.token}"),) if options.token else ()
 
     def on_stop(self) -> None:
         self.channel.close()
@@ -115,7 +118,7 @@ class RewardUser(User):
         start = time.perf_counter()
         items, exception = 0, None
         try:
-            response = self.stub.Score(request, timeout=self.timeout_s)
+            response = self.stub.Score(request, timeout=self.timeout_s, metadata=self.metadata)
             items = len(response.results)
             exception = check_statuses(response)
         except grpc.RpcError as exc:

@@ -6,11 +6,21 @@ import asyncio
 import logging
 import socket
 
+from rlfabric.common.credentials import Credential, require_credentials
 from rlfabric.common.logs import setup_logging
 from rlfabric.common.telemetry import setup_tracing
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 
 log = logging.getLogger(__name__)
+
+
+def credentials(config: CoordinatorServiceConfig) -> list[Credential]:
+    """The tokens the coordinator needs: its API's, the reward service's and, when it calls the learner's
+    status API, the learner's."""
+    needed = [Credential("api.token", config.api.token), Credential("reward_token", config.reward_token)]
+    if config.learner_address is not None:
+        needed.append(Credential("learner_token", config.learner_token))
+    return needed
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -44,7 +54,9 @@ async def run(config: CoordinatorServiceConfig) -> None:
 
 
 def serve(config: CoordinatorServiceConfig) -> int:
+    """The service's entry: refuses to start without its tokens (unless insecure), then serves."""
     setup_logging("coordinator", config.log.level, config.log.format)
+    require_credentials("coordinator", credentials(config), insecure=config.insecure)
     setup_tracing("rlfabric-coordinator")
     asyncio.run(run(config))
     return 0

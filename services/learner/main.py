@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from rlfabric.common import failpoints, telemetry
-from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
+from rlfabric.common.credentials import Credential, require_credentials
+from rlfabric.common.grpc_server import GrpcServer, check_bearer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
 from rlfabric.common.metrics import start_metrics_server
 from rlfabric.common.telemetry import setup_tracing
@@ -45,14 +46,17 @@ SERVICE = full_service_name(learner_pb2, "LearnerService")
 
 
 class Status(learner_pb2_grpc.LearnerServiceServicer):
-    """What GetStatus reports; rank 0's loop keeps it current."""
+    """What GetStatus reports; rank 0's loop keeps it current. With a `token`, a call without
+    `authorization: Bearer <token>` is answered UNAUTHENTICATED."""
 
-    def __init__(self, run_id: str, world_size: int) -> None:
+    def __init__(self, run_id: str, world_size: int, token: str | None = None) -> None:
+        self.token = token
         self.message = learner_pb2.LearnerStatus(
             run_id=run_id, state=learner_pb2.LEARNER_STATE_STARTING, world_size=world_size
         )
 
     async def GetStatus(self, request: Any, context: Any) -> learner_pb2.LearnerStatus:
+        check_bearer(context, self.token)
         return self.message
 
 
@@ -61,7 +65,7 @@ class Learner:
         self.config, self.world, self.trainer = config, world, trainer
         self.spec = config.run
         self.paths = RunPaths.of(config)
-        self.status = Status(config.run_id, world.size)
+        self.status = Status(config.run_id, world.size, config.token)
         self.stopping = False
         self.health_stop = False
         self.pending: list[str] = []  # entry ids trained but not yet covered by a checkpoint
@@ -296,6 +300,7 @@ def serve(config: LearnerServiceConfig) -> int:
 
         return serve_offline(config)
     setup_logging("learner", config.log.level, config.log.format)
+    require_credentials("learner", [Credential("token", config.token)], insecure=config.insecure)
     setup_tracing("rlfabric-learner")
     world = init_distributed()
     if world.is_main and config.server.metrics_port is not None:

@@ -3,7 +3,9 @@
 Input rows (JSONL) use the columns `id`, `prompt` (text or chat messages), `completion`, `reference`;
 every other column is passed to the scorer as metadata. Output rows are the input rows plus `reward`
 (null unless the status is ok), `status`, `message`, `components` and `scorer_version`, in input order.
-Scoring runs in-process (a worker pool of this machine's cores) or, with `--server`, on a running service.
+Scoring runs in-process (a worker pool of this machine's cores) or, with `--server`, on a running service,
+presenting its bearer token (`--token`, default $RLFABRIC_REWARD_TOKEN). A call the service refuses (no or
+a wrong token: UNAUTHENTICATED) ends the command with one line naming the status, exit status 1.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -20,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+TOKEN_ENV = "RLFABRIC_REWARD_TOKEN"
 SPEC_HELP = (
     "a registered scorer name (see `rlfabric reward list`), or a JSON/YAML/TOML file in the run file's "
     '[reward] form, e.g. {"scorer": "composite", "parts": [{"scorer": "math_verify", "weight": 1.0}]}'
@@ -39,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     score.add_argument("--scorer", required=True, metavar="SPEC", help=SPEC_HELP)
     score.add_argument("--params", default="{}", help="JSON parameters for a scorer given by name")
     score.add_argument("--server", metavar="HOST:PORT", help="use a running reward service instead")
+    add_token_argument(score)
     score.add_argument("--batch-size", type=int, default=64, help="items per batch (default 64)")
     score.add_argument(
         "--workers", type=int, default=None, help="in-process worker processes (default: cores)"
@@ -48,13 +53,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     score.add_argument("--no-progress", action="store_true", help="no progress bar")
     listing = verbs.add_parser("list", help="list the scorers and their parameters")
     listing.add_argument("--server", metavar="HOST:PORT", help="ask a running reward service")
+    add_token_argument(listing)
     listing.add_argument("--json", action="store_true", help="print JSON")
 
 
+def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    """`--token`: the service's bearer token, by default from $RLFABRIC_REWARD_TOKEN (read at run time,
+    so `--help` never shows it)."""
+    parser.add_argument(
+        "--token",
+        default=None,
+        help=f"the service's bearer token, with --server (default ${TOKEN_ENV})",
+    )
+
+
+def server_token(args: argparse.Namespace) -> str | None:
+    """The token to present: --token, else $RLFABRIC_REWARD_TOKEN, else none."""
+    return args.token or os.environ.get(TOKEN_ENV) or None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.verb == "list":
-        return run_list(args)
-    return run_score(args)
+    import grpc
+
+    try:
+        return run_list(args) if args.verb == "list" else run_score(args)
+    except grpc.RpcError as err:
+        code, details = err.code(), err.details()  # type: ignore[attr-defined]
+        print(f"rlfabric reward: {args.server} answered {code.name}: {details}", file=sys.stderr)
+        return 1
 
 
 def load_spec(text: str, params_json: str) -> Any:
@@ -112,7 +138,7 @@ def score_remote(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]]
     from rlfabric.reward.client import RewardClient
 
     results = []
-    with RewardClient(args.server, timeout_s=args.timeout) as client:
+    with RewardClient(args.server, timeout_s=args.timeout, token=server_token(args)) as client:
         for batch in batches(rows, args.batch_size):
             results.extend(client.score(batch, spec, item_timeout_s=args.item_timeout))
             bar.update(len(batch))
@@ -120,8 +146,6 @@ def score_remote(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]]
 
 
 async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]], bar: Any) -> list[Any]:
-    import os
-
     from rlfabric.reward.client import to_input
     from rlfabric.reward.config import RewardServiceConfig
     from rlfabric.reward.service import RewardEngine
@@ -191,7 +215,7 @@ def run_list(args: argparse.Namespace) -> int:
     if args.server:
         from rlfabric.reward.client import RewardClient
 
-        with RewardClient(args.server) as client:
+        with RewardClient(args.server, token=server_token(args)) as client:
             scorers = client.list_scorers()
     else:
         from dataclasses import asdict

@@ -1,6 +1,6 @@
 """Python clients of the reward service: `RewardClient` (blocking) and `AsyncRewardClient` (asyncio).
 
-    with RewardClient("127.0.0.1:50052") as client:
+    with RewardClient("127.0.0.1:50052", token=os.environ["RLFABRIC_REWARD_TOKEN"]) as client:
         results = client.score(
             [{"id": "1", "prompt": "2+2?", "completion": "\\boxed{4}", "reference": "4"}], "math_verify"
         )
@@ -8,7 +8,9 @@
 
 `scorer` is a registered name, a `ScorerSpec`, or a mapping in the run file's `[reward]` form
 ({"scorer": "composite", "parts": [...]}). Items are `ScoreInput`s or mappings with the JSONL columns
-(`id`, `prompt`, `completion`, `reference`, anything else becomes metadata).
+(`id`, `prompt`, `completion`, `reference`, anything else becomes metadata). `token` is the service's
+bearer token (its `token` setting), sent as `authorization: Bearer <token>` on every call; a service that
+requires one answers UNAUTHENTICATED without it.
 """
 
 from __future__ import annotations
@@ -137,10 +139,22 @@ def describe(response: reward_pb2.ListScorersResponse) -> list[dict[str, Any]]:
     return [json_format.MessageToDict(s, preserving_proto_field_name=True) for s in response.scorers]
 
 
-class RewardClient:
-    """Blocking client. `timeout_s` is the deadline of each call."""
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying `token` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
-    def __init__(self, target: str, *, timeout_s: float = 60.0, max_message_bytes: int = 64 << 20) -> None:
+
+class RewardClient:
+    """Blocking client. `timeout_s` is the deadline of each call; `token` is sent on each call."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+        token: str | None = None,
+    ) -> None:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -148,6 +162,7 @@ class RewardClient:
         self.channel = grpc.insecure_channel(target, options=options)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = bearer_metadata(token)
 
     def score(
         self,
@@ -158,10 +173,12 @@ class RewardClient:
         item_timeout_s: float | None = None,
     ) -> list[ItemResult]:
         request = build_request(items, to_spec(scorer, params), item_timeout_s)
-        return [from_proto(r) for r in self.stub.Score(request, timeout=self.timeout_s).results]
+        response = self.stub.Score(request, timeout=self.timeout_s, metadata=self.metadata)
+        return [from_proto(r) for r in response.results]
 
     def list_scorers(self) -> list[dict[str, Any]]:
-        return describe(self.stub.ListScorers(reward_pb2.ListScorersRequest(), timeout=self.timeout_s))
+        request = reward_pb2.ListScorersRequest()
+        return describe(self.stub.ListScorers(request, timeout=self.timeout_s, metadata=self.metadata))
 
     def close(self) -> None:
         self.channel.close()
@@ -177,9 +194,12 @@ class AsyncRewardClient:
     """asyncio client; create it inside the running event loop. ListScorers is retried on UNAVAILABLE
     (idempotent); Score is not retried, because a scorer with side effects (a judge API) may bill twice."""
 
-    def __init__(self, target: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 60.0, token: str | None = None) -> None:
         self.channel = make_channel(
-            target, retry_methods=[("rlfabric.v1.RewardService", "ListScorers")], default_timeout_s=timeout_s
+            target,
+            retry_methods=[("rlfabric.v1.RewardService", "ListScorers")],
+            default_timeout_s=timeout_s,
+            bearer_token=token,
         )
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
 

@@ -7,11 +7,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from rlfabric.common.credentials import Credential, require_credentials
 from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
 from rlfabric.common.metrics import start_metrics_server
 from rlfabric.common.telemetry import setup_tracing
 from rlfabric.reward.config import RewardServiceConfig
+from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.server import RewardServicer
 from rlfabric.reward.service import RewardEngine
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
@@ -26,11 +28,17 @@ async def run(
 
     Once bound, the port goes to `on_ready` (a supervised process) or is announced on stdout."""
     engine = RewardEngine(
-        workers=config.workers, item_timeout_s=config.item_timeout_s, inline=config.inline_scorers
+        workers=config.workers,
+        item_timeout_s=config.item_timeout_s,
+        inline=config.inline_scorers,
+        policy=ScorerPolicy.from_config(config),
     )
     await engine.start()
     servicer = RewardServicer(
-        engine, max_batch_items=config.max_batch_items, max_item_bytes=config.max_item_bytes
+        engine,
+        max_batch_items=config.max_batch_items,
+        max_item_bytes=config.max_item_bytes,
+        token=config.token,
     )
     options = dataclasses.replace(options_from_config(config.server), reuse_port=reuse_port)
     server = GrpcServer(options)
@@ -53,10 +61,12 @@ async def run(
 
 
 def serve(config: RewardServiceConfig) -> int:
+    """The service's entry: refuses to start without its token (unless insecure), then serves."""
+    setup_logging("reward", config.log.level, config.log.format)
+    require_credentials("reward", [Credential("token", config.token)], insecure=config.insecure)
     if config.processes > 1:
         from rlfabric.reward.supervisor import supervise
 
-        setup_logging("reward", config.log.level, config.log.format)
         return supervise(config)
     if config.server.metrics_port is not None:
         port = start_metrics_server(config.server.host, config.server.metrics_port)

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from rlfabric.common.errors import InvalidArgument, ResourceExhausted
+from rlfabric.common.grpc_server import check_bearer
 from rlfabric.reward.pool import KILL_SLACK_S
 from rlfabric.reward.scorers import InvalidScorerSpec, ScoreInput, describe_scorers
 from rlfabric.reward.service import RewardEngine, ScoredBatch, ScorerSpec
@@ -41,15 +42,23 @@ SPEC_CACHE_SIZE = 256
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, engine: RewardEngine, *, max_batch_items: int, max_item_bytes: int) -> None:
+    """Score and ListScorers. With a `token`, both answer UNAUTHENTICATED unless the call carries
+    `authorization: Bearer <token>`, checked before anything in the request is read (health and
+    reflection are other services and stay open); `token=None` accepts every call."""
+
+    def __init__(
+        self, engine: RewardEngine, *, max_batch_items: int, max_item_bytes: int, token: str | None = None
+    ) -> None:
         self.engine = engine
         self.max_batch_items = max_batch_items
         self.max_item_bytes = max_item_bytes
+        self.token = token
         self.specs = SpecCache(SPEC_CACHE_SIZE)
 
     async def Score(
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
+        check_bearer(context, self.token)
         self.check_sizes(request)
         spec = self.specs.get(request.scorer)
         items = [item_from_proto(i, item) for i, item in enumerate(request.items)]
@@ -66,6 +75,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def ListScorers(
         self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ListScorersResponse:
+        check_bearer(context, self.token)
         return reward_pb2.ListScorersResponse(scorers=[describe(info) for info in describe_scorers()])
 
     def check_sizes(self, request: reward_pb2.ScoreRequest) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Info
 
+from rlfabric.common.credentials import Credential, require_credentials
 from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
 from rlfabric.common.metrics import start_metrics_server
@@ -244,7 +245,11 @@ async def run(config: RolloutServiceConfig) -> None:
 
 
 def serve(config: RolloutServiceConfig) -> int:
+    """The replica's entry: refuses to start without the learner's token (unless insecure), then serves."""
     setup_logging("rollout", config.log.level, config.log.format)
+    require_credentials(
+        "rollout", [Credential("learner_token", config.learner_token)], insecure=config.insecure
+    )
     setup_tracing("rlfabric-rollout")
     if config.server.metrics_port is not None:
         port = start_metrics_server(config.server.host, config.server.metrics_port)

@@ -29,6 +29,16 @@ from rlfabric.common.runspec import RunSpec
 
 RUN = "faults"
 TOKEN = "fault-suite-token"
+# Each service's credentials, by the variables it reads (as `rlfabric up` passes them): every process gets
+# the whole set, and each reads only its own prefix.
+CREDENTIALS = {
+    "RLFABRIC_COORDINATOR__API__TOKEN": TOKEN,
+    "RLFABRIC_COORDINATOR__REWARD_TOKEN": "fault-suite-reward-token",
+    "RLFABRIC_REWARD__TOKEN": "fault-suite-reward-token",
+    "RLFABRIC_ROLLOUT__LEARNER_TOKEN": "fault-suite-publish-token",
+    "RLFABRIC_LEARNER__PUBLISH_TOKEN": "fault-suite-publish-token",
+    "RLFABRIC_LEARNER__TOKEN": "fault-suite-learner-token",
+}
 HERE = Path(__file__).resolve().parent
 
 
@@ -84,7 +94,7 @@ class Stack:
         reward_address: str | None = None,
     ) -> None:
         self.folder, self.spec, self.engine = folder, spec, engine
-        self.env = dict(vllm_env or os.environ)
+        self.env = {**(vllm_env or os.environ), **CREDENTIALS}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
         self.redis_port, self.reward_port = free_port(), free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
@@ -142,13 +152,14 @@ class Stack:
         }
         path = self.folder / "learner.yaml"
         path.write_text(yaml.safe_dump(config))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
+        env = {**os.environ, **CREDENTIALS, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
         self._proc(name, cli("serve", "learner", "--config", str(path)), r"listening on (\S+)", env=env)
 
     def start_coordinator(self) -> None:
         argv = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={self.redis_url}")
-        argv += ["--set", f"reward_address={self.reward_address}", "--set", f"api.token={TOKEN}"]
-        self.url = self._proc("coordinator", argv, r"listening on (http://\S+)", timeout_s=60)
+        argv += ["--set", f"reward_address={self.reward_address}"]
+        env = {**os.environ, **CREDENTIALS}
+        self.url = self._proc("coordinator", argv, r"listening on (http://\S+)", timeout_s=60, env=env)
 
     def start(self, replicas: int = 1, failpoints: str = "", reward_settings: tuple[str, ...] = ()) -> None:
         """Everything, the slow starters in parallel, then the run."""

@@ -143,7 +143,11 @@ async def test_a_pickle_in_the_queue_is_dead_lettered_unopened(redis_url: str, t
 def coordinator(redis_url: str, tmp_path: Path) -> Any:
     argv = [sys.executable, "-m", "rlfabric.cli", "serve", "coordinator", "--port", "0"]
     argv += ["--set", f"redis.url={redis_url}", "--set", "api.max_body_bytes=4096"]
-    env = {**os.environ, "RLFABRIC_COORDINATOR__API__TOKEN": "s3cret"}
+    env = {
+        **os.environ,
+        "RLFABRIC_COORDINATOR__API__TOKEN": "s3cret",
+        "RLFABRIC_COORDINATOR__REWARD_TOKEN": "r",
+    }
     proc = ServiceProcess("coordinator", argv, log_path=tmp_path / "coordinator.log", env=env)
     url = proc.start(r"listening on (http://\S+)", timeout_s=60).group(1)
     yield url

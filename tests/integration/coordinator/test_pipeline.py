@@ -1,14 +1,16 @@
 """The coordinator's pipeline against real processes: a reward service, rollout replicas (reference
 engine, as real `rlfabric serve rollout` processes registered in a real Redis), and a stand-in learner that
-consumes the stream. A replica added mid-run receives work; a replica SIGKILLed mid-run loses nothing:
-its groups are re-dispatched and every drawn prompt ends enqueued once, dropped with a reason, or in
-flight.
+consumes the stream. The reward service requires its token and the pipeline presents it (a pipeline
+without it would score nothing). A replica added mid-run receives work; a replica SIGKILLed mid-run loses
+nothing: its groups are re-dispatched and every drawn prompt ends enqueued once, dropped with a reason, or
+in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from rlfabric.learner.queue import GroupConsumer
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 RUN = "pipe"
+REWARD_TOKEN = "pipeline-reward-token"
 G = 4  # groups per step
 
 
@@ -37,13 +40,17 @@ def reward_address(tmp_path: Path) -> Iterator[str]:
         "reward",
         cli("serve", "reward", "--port", "0", "--set", "workers=1"),
         log_path=tmp_path / "reward.log",
+        env={**os.environ, "RLFABRIC_REWARD__TOKEN": REWARD_TOKEN},
     )
     yield proc.start(r"listening on (\S+)", timeout_s=60).group(1)
     proc.stop()
 
 
 def start_replica(tmp_path: Path, model: Path, redis_url: str, name: str) -> tuple[ServiceProcess, str]:
-    argv = cli("serve", "rollout", "--model", str(model), "--engine", "transformers", "--port", "0")
+    # the replicas get no UpdateWeights here: their token is beside the point
+    argv = cli(
+        "serve", "rollout", "--model", str(model), "--engine", "transformers", "--port", "0", "--insecure"
+    )
     for setting in (f"run_id={RUN}", f"redis.url={redis_url}", f"replica_id={name}", "heartbeat_s=0.5"):
         argv += ["--set", setting]
     proc = ServiceProcess(name, argv, log_path=tmp_path / f"{name}.log")
@@ -103,7 +110,14 @@ async def test_replica_joins_and_a_killed_replica_loses_nothing(
     first, _ = start_replica(tmp_path, tiny_model_dir, redis_url, "rollout-a")
     second = None
     stop, done = asyncio.Event(), asyncio.Event()
-    pipeline = RunPipeline(RUN, spec(tmp_path, tiny_model_dir), redis, reward_address, max_stream_length=64)
+    pipeline = RunPipeline(
+        RUN,
+        spec(tmp_path, tiny_model_dir),
+        redis,
+        reward_address,
+        max_stream_length=64,
+        reward_token=REWARD_TOKEN,
+    )
 
     async def stop_requested() -> bool:
         return stop.is_set()

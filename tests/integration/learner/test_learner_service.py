@@ -27,6 +27,7 @@ from rlfabric.v1 import common_pb2, queue_pb2
 
 N = 4  # samples per group
 GOOD, BAD = "xxxx", "yyyy"
+TOKEN_ENV = {"RLFABRIC_LEARNER__TOKEN": "learner-suite-token"}  # its GetStatus token (required to start)
 
 
 def tokenizer(model_dir: Path):
@@ -108,7 +109,7 @@ def write_config(tmp_path: Path, model_dir: Path, redis_url: str, run_id: str, s
 
 
 def run_learner(config: Path, *, ranks: int, failpoints: str = "", timeout: float = 240) -> int:
-    env = {**os.environ, "RLFABRIC_FAILPOINTS": failpoints, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **TOKEN_ENV, "RLFABRIC_FAILPOINTS": failpoints, "OMP_NUM_THREADS": "1"}
     if ranks == 1:
         argv = [sys.executable, "-m", "rlfabric.cli", "serve", "learner", "--config", str(config)]
     else:
@@ -208,7 +209,7 @@ def test_a_health_stop_halts_without_checkpointing_the_suspect_policy(
     settings["run"]["train"]["checkpoint_every"] = 2
     config.write_text(yaml.safe_dump(settings))
     client = redis.Redis.from_url(redis_url)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **TOKEN_ENV, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "rlfabric.cli", "serve", "learner", "--config", str(config)]
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     try:

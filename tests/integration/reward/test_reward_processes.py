@@ -1,8 +1,8 @@
 """`rlfabric serve reward --set processes=2`: several server processes behind one port, as users run it.
 
 Proves that connections reach both processes, that the supervisor replaces a process that dies while the
-service keeps answering, that its /metrics sums the processes' counters, and that SIGTERM stops every
-process.
+service keeps answering, that its /metrics sums the processes' counters, that every process (a replaced
+one too) requires the service's token, and that SIGTERM stops every process.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from rlfabric.common.procs import ServiceProcess
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 PROCESSES = 2
+TOKEN = "reward-processes-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
 def server_children(pid: int) -> list[int]:
@@ -48,6 +50,7 @@ def service(tmp_path: Path) -> Iterator[tuple[ServiceProcess, str, str]]:
             "--set", "server.grace_period_s=2", "--set", "log.format=text",
         ],
         log_path=tmp_path / "reward.log",
+        env={**os.environ, "RLFABRIC_REWARD__TOKEN": TOKEN},
     )  # fmt: skip
     metrics = proc.start(r"metrics on (http://\S+)", timeout_s=60).group(1)
     address = proc.wait_for(r"listening on (\S+) \(2 processes\)", timeout_s=120).group(1)
@@ -59,7 +62,7 @@ def service(tmp_path: Path) -> Iterator[tuple[ServiceProcess, str, str]]:
 
 def score_over_connections(address: str, connections: int, calls_each: int) -> int:
     """`calls_each` exact_match calls of 64 items on each of `connections` separate connections; returns
-    the items answered OK."""
+    the items answered OK. Each connection's first call, made without the token, must be refused."""
     request = reward_pb2.ScoreRequest(
         scorer=reward_pb2.ScorerSpec(named=reward_pb2.NamedScorer(name="exact_match")),
         items=[reward_pb2.ScoreItem(id=str(i), completion="42", reference="42") for i in range(64)],
@@ -69,8 +72,11 @@ def score_over_connections(address: str, connections: int, calls_each: int) -> i
         channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         with channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Score(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             for _ in range(calls_each):
-                response = stub.Score(request, timeout=30)
+                response = stub.Score(request, timeout=30, metadata=AUTH)
                 ok += sum(r.reward.value == 1.0 for r in response.results)
     return ok
 

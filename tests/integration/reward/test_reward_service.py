@@ -2,7 +2,8 @@
 
 Covers the contract (results per item, statuses, provenance), bad input answered with status codes while
 the service keeps serving, deadlines that cancel work, the Python clients, reflection-only clients, the
-Prometheus metrics and the standalone CLI.
+Prometheus metrics and the standalone CLI. The service requires its token (as it does by default) and
+every call here presents it; what a call without it gets is in tests/integration/test_credentials.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from rlfabric.common.procs import ServiceProcess
 from rlfabric.reward.client import AsyncRewardClient, RewardClient
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
+TOKEN = "reward-suite-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 USER_FN = '''
 import time
 
@@ -63,7 +66,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
             "--set", "server.metrics_port=0", "--set", "log.format=text",
         ],
         log_path=logs / "reward.log",
-        env={**os.environ, "RLFABRIC_TEST_SECRET": "s3cret"},
+        env={**os.environ, "RLFABRIC_TEST_SECRET": "s3cret", "RLFABRIC_REWARD__TOKEN": TOKEN},
     )  # fmt: skip
     metrics = proc.start(r"metrics on (http://\S+)", timeout_s=60).group(1)
     address = proc.wait_for(r"listening on (\S+)", timeout_s=60).group(1)
@@ -73,7 +76,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
 
 @pytest.fixture
 def client(server: dict[str, str]) -> Iterator[RewardClient]:
-    with RewardClient(server["address"], timeout_s=30) as c:
+    with RewardClient(server["address"], timeout_s=30, token=TOKEN) as c:
         yield c
 
 
@@ -129,7 +132,7 @@ def test_composite_reports_components(client: RewardClient) -> None:
 
 def raw_score(address: str, request: reward_pb2.ScoreRequest, timeout: float = 10) -> grpc.RpcError:
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
-        reward_pb2_grpc.RewardServiceStub(channel).Score(request, timeout=timeout)
+        reward_pb2_grpc.RewardServiceStub(channel).Score(request, timeout=timeout, metadata=AUTH)
     return info.value  # type: ignore[return-value]
 
 
@@ -212,7 +215,7 @@ def test_deadline_answers_timeout_and_frees_the_worker(
     """A batch still running near the client's deadline is answered in time as TIMEOUT, never as a
     reward nor as the caller's DEADLINE_EXCEEDED (which would make the coordinator regenerate the group);
     the single worker is replaced, so the next call gets through."""
-    with RewardClient(server["address"], timeout_s=3.0) as impatient:
+    with RewardClient(server["address"], timeout_s=3.0, token=TOKEN) as impatient:
         [result] = impatient.score([item(0, "x", kind="sleep")], "python_function", {"function": user_fn})
     assert result.status == "timeout" and math.isnan(result.reward)
     assert_next_call_is_prompt(client)
@@ -224,7 +227,7 @@ def test_cancelled_call_cancels_its_work(client: RewardClient, server: dict[str,
         scorer=named("python_function", function=user_fn),
     )
     with grpc.insecure_channel(server["address"]) as channel:
-        future = reward_pb2_grpc.RewardServiceStub(channel).Score.future(request, timeout=120)
+        future = reward_pb2_grpc.RewardServiceStub(channel).Score.future(request, timeout=120, metadata=AUTH)
         time.sleep(1.0)
         assert future.cancel()
     assert_next_call_is_prompt(client)
@@ -291,7 +294,7 @@ def test_reflection_alone_is_enough_to_call_the_service(server: dict[str, str]) 
             request_serializer=lambda m: m.SerializeToString(),
             response_deserializer=response_cls.FromString,
         )
-        response = json_format.MessageToDict(call(request, timeout=10))
+        response = json_format.MessageToDict(call(request, timeout=10, metadata=AUTH))
     [result] = response["results"]
     assert result["reward"]["status"] == "REWARD_STATUS_OK"
     assert result["reward"]["value"] == 1.0
@@ -309,7 +312,7 @@ def test_list_scorers_describes_every_scorer(client: RewardClient) -> None:
 
 
 async def test_async_client(server: dict[str, str]) -> None:
-    async with AsyncRewardClient(server["address"]) as client:
+    async with AsyncRewardClient(server["address"], token=TOKEN) as client:
         results = await client.score([item(0, "Paris", "paris"), item(1, "Rome", "paris")], "exact_match")
         assert [r.reward for r in results] == [1.0, 0.0]
         assert len(await client.list_scorers()) >= 10
@@ -340,8 +343,9 @@ def test_cli_scores_a_jsonl_file(tmp_path: Path, server: dict[str, str], remote:
     out = tmp_path / "out.jsonl"
     argv = ["reward", "score", "--input", str(source), "--output", str(out), "--scorer", "math_verify"]
     argv += ["--no-progress", *(["--server", server["address"]] if remote else ["--workers", "1"])]
+    env = {**os.environ, "RLFABRIC_REWARD_TOKEN": TOKEN}  # the CLI's default for --token
     result = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rlfabric.cli", *argv], capture_output=True, text=True, timeout=120, env=env
     )
     assert result.returncode == 0, result.stderr
     scored = [json.loads(line) for line in out.read_text().splitlines()]

@@ -263,13 +263,16 @@ async def test_mismatched_tensors_are_refused(replica: Parts, tmp_path: Path) ->
 async def test_stale_and_unauthenticated_updates_are_refused(
     replica: Parts, tmp_path: Path, other_model: Path
 ) -> None:
+    """The attack of issue 17: an unauthenticated update to a far-future version (which would make the
+    learner's next real update look older) is refused, and the replica's version does not move."""
     store.publish_version(str(tmp_path / "weights"), 2, state_dict_of(other_model))
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub(replica).UpdateWeights(update(2), timeout=30)
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub(replica).UpdateWeights(update(2), metadata=(("authorization", "Bearer nope"),), timeout=30)
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for metadata in [(), (("authorization", "Bearer nope"),), (("authorization", TOKEN),)]:
+        for version in (2, 999_999):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub(replica).UpdateWeights(update(version), metadata=metadata, timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert (await stub(replica).GetInfo(rollout_pb2.GetInfoRequest())).policy_version == 0
+    assert {s.policy_version for s in await collect(replica, request(n=1))} == {0}
     await stub(replica).UpdateWeights(update(2), metadata=AUTH, timeout=60)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub(replica).UpdateWeights(update(1), metadata=AUTH, timeout=30)
