@@ -1,8 +1,10 @@
 """A pool of scorer worker processes, so CPU-heavy scorers never run on the server's event loop.
 
 Each worker (`rlfabric.reward.worker`) is a subprocess speaking length-prefixed JSON over its stdin and
-stdout: no pickle crosses the process boundary. A batch is split into up to `size` chunks that score in
-parallel on idle workers, so one request uses every core and concurrent requests queue for workers.
+stdout: no pickle crosses the process boundary. Its first frame is the server's `ScorerPolicy`, so a
+worker loads user code and sets sandbox limits exactly as the server process allows. A batch is split
+into up to `size` chunks that score in parallel on idle workers, so one request uses every core and
+concurrent requests queue for workers.
 
 Deadlines are real: a chunk still running at its deadline, or whose caller gave up (the task is
 cancelled, e.g. because the gRPC client cancelled), has its worker killed and replaced, and its items
@@ -24,6 +26,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from rlfabric.reward.scorers import ScoreResult
+from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.worker import HEADER
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,8 @@ class Worker:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls) -> Worker:
+    async def spawn(cls, policy: ScorerPolicy) -> Worker:
+        """Starts a worker and hands it the server's `policy` (its first frame) before any job."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -56,7 +60,7 @@ class Worker:
             stdout=asyncio.subprocess.PIPE,
         )
         worker = cls(proc)
-        ready = await worker.read_frame()
+        ready = await worker.request(policy.to_json())
         if not ready.get("ready"):
             raise WorkerDied(f"worker {proc.pid} did not start: {ready}")
         return worker
@@ -95,10 +99,11 @@ class Worker:
 
 
 class ScorerPool:
-    """`size` worker processes and a queue of the idle ones."""
+    """`size` worker processes and a queue of the idle ones, each building scorers under `policy`."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, policy: ScorerPolicy) -> None:
         self.size = size
+        self.policy = policy
         self._idle: asyncio.Queue[Worker] = asyncio.Queue()
         self._all: set[Worker] = set()
         self._respawns: set[asyncio.Task[None]] = set()
@@ -106,7 +111,7 @@ class ScorerPool:
 
     async def start(self) -> None:
         """Starts every worker and waits until each has imported the scorers."""
-        workers = await asyncio.gather(*(Worker.spawn() for _ in range(self.size)))
+        workers = await asyncio.gather(*(Worker.spawn(self.policy) for _ in range(self.size)))
         for worker in workers:
             self._all.add(worker)
             self._idle.put_nowait(worker)
@@ -175,7 +180,7 @@ class ScorerPool:
     async def _respawn(self) -> None:
         while not self._closed:
             try:
-                worker = await Worker.spawn()
+                worker = await Worker.spawn(self.policy)
             except (OSError, WorkerDied):
                 log.exception("could not start a scorer worker; retrying in 1 s")
                 await asyncio.sleep(1)

@@ -30,6 +30,7 @@ from rlfabric.reward.scorers import (
     build_scorer,
     safe_score_batch,
 )
+from rlfabric.reward.scorers.policy import ScorerPolicy
 
 # Linear-time string arithmetic: scored on the event loop itself, where a thread hop would cost more than
 # the scoring (user patterns, which can backtrack for ever, are not among them).
@@ -94,10 +95,20 @@ def scorer_version(spec: ScorerSpec) -> str:
 class RewardEngine:
     """Scores batches for the server and the CLI. Call `start()` inside the event loop first."""
 
-    def __init__(self, *, workers: int, item_timeout_s: float, inline: Sequence[str]) -> None:
+    def __init__(
+        self,
+        *,
+        workers: int,
+        item_timeout_s: float,
+        inline: Sequence[str],
+        policy: ScorerPolicy | None = None,
+    ) -> None:
+        """`policy` (None: the default, no user code) governs every scorer built here and in the pool's
+        workers."""
         self.item_timeout_s = item_timeout_s
         self.inline = frozenset(inline)
-        self.pool = ScorerPool(workers)
+        self.policy = policy or ScorerPolicy()
+        self.pool = ScorerPool(workers, self.policy)
         self._scorers: OrderedDict[str, Scorer] = OrderedDict()
 
     async def start(self) -> None:
@@ -110,7 +121,7 @@ class RewardEngine:
 
     def resolve(self, spec: ScorerSpec) -> Scorer:
         """The built scorer for `spec`; raises `InvalidScorerSpec` naming the bad field."""
-        scorer = self._scorers.pop(spec.key, None) or build_scorer(spec.name, spec.params)
+        scorer = self._scorers.pop(spec.key, None) or build_scorer(spec.name, spec.params, self.policy)
         self._scorers[spec.key] = scorer
         while len(self._scorers) > SCORER_CACHE_SIZE:
             self._scorers.popitem(last=False)[1].close()

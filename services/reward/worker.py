@@ -9,7 +9,8 @@ Job:    {"spec": {"name": str, "params": {...}}, "items": [item, ...], "timeout_
         item = {"id", "prompt" (str or chat messages), "completion", "reference", "metadata"}
 Result: {"results": [{"reward", "components", "status", "message"}, ...]}  (same order as the items)
         or {"error": str} when the spec cannot be built (the parent validates specs first).
-First frame written at start: {"ready": true}.
+First frame read at start: the server's scorer policy, `ScorerPolicy.to_json()` (allowed_functions and
+the sandbox limits); every scorer here is built under it. Then written: {"ready": true}.
 """
 
 from __future__ import annotations
@@ -48,17 +49,20 @@ def protocol_stdout() -> BinaryIO:
     return out
 
 
-def make_handler() -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Imports the scorers once and returns the job handler, which caches built scorers by spec."""
+def make_handler(policy_json: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Imports the scorers once and returns the job handler, which builds scorers under the policy and
+    caches them by spec."""
     from rlfabric.reward.scorers import InvalidScorerSpec, ScoreInput, build_scorer, run_scorer
+    from rlfabric.reward.scorers.policy import ScorerPolicy
 
+    policy = ScorerPolicy.from_json(policy_json)
     cache: dict[str, Any] = {}
 
     def handle(job: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(job["spec"], sort_keys=True)
         if key not in cache:
             try:
-                cache[key] = build_scorer(job["spec"]["name"], job["spec"].get("params") or {})
+                cache[key] = build_scorer(job["spec"]["name"], job["spec"].get("params") or {}, policy)
             except InvalidScorerSpec as exc:
                 return {"error": str(exc)}
         items = [ScoreInput(**item) for item in job["items"]]
@@ -81,7 +85,10 @@ def result_to_json(result: Any) -> dict[str, Any]:
 
 def main() -> None:
     out = protocol_stdout()
-    handle = make_handler()
+    policy = read_frame(sys.stdin.buffer)
+    if policy is None:
+        return
+    handle = make_handler(policy)
     write_frame(out, {"ready": True})
     while (job := read_frame(sys.stdin.buffer)) is not None:
         write_frame(out, handle(job))

@@ -17,9 +17,12 @@ import asyncio
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from rlfabric.reward.scorers.policy import ScorerPolicy
 
 ScoreStatus = Literal["ok", "scorer_error", "timeout"]
 Message = dict[str, Any]
@@ -112,6 +115,12 @@ class Scorer:
 
     def __init__(self, params: ScorerParams) -> None:
         self.params = params
+
+    @classmethod
+    def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
+        """Build from validated params under the server's `policy`; scorers that load user code or run
+        it (python_function, code_exec, composite's parts) override this to obey the policy."""
+        return cls(params)
 
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         """Score `items`; the result has the same length and order. Per-item failures are results."""

@@ -13,7 +13,11 @@ Each test is a separate sandboxed process (see `sandbox.py`), so a crash or an i
 its own test; `total_wall_s` caps the time one item may take, and tests not started by then fail.
 The code is the last fenced ```python block of the completion, or the whole completion if it has none.
 Missing or malformed tests are a `scorer_error` (bad data), and so is a host without isolation unless
-`allow_unisolated` is set. Components: `passed`, `total`, `timed_out`.
+`allow_unisolated` is set. Components: `passed`, `total`, `timed_out`; the message names each test that
+hit a limit ("test 2: cpu time limit (5 s) exceeded").
+
+The limits are the server's (`RewardServiceConfig.sandbox`): a request's params may only lower them, and
+may ask for `allow_unisolated` only where the server allows it (`policy.tighten`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field
 
+from rlfabric.reward.config import SandboxConfig
 from rlfabric.reward.scorers.base import ItemError, ScoreInput, Scorer, ScoreResult, ScorerParams
+from rlfabric.reward.scorers.policy import ScorerPolicy, tighten
 from rlfabric.reward.scorers.registry import register
-from rlfabric.reward.scorers.sandbox import SandboxLimits, SandboxRun, probe_isolation, run_python
+from rlfabric.reward.scorers.sandbox import (
+    SandboxLimits,
+    SandboxRun,
+    limit_exceeded,
+    probe_isolation,
+    run_python,
+)
 from rlfabric.reward.scorers.text import extract_code
 
 OutputMatch = Literal["exact", "trailing_whitespace", "tokens"]
@@ -47,25 +59,30 @@ class CodeExecParams(ScorerParams):
     output_match: OutputMatch = "trailing_whitespace"
     """stdout comparison: "exact"; "trailing_whitespace" ignores trailing spaces per line and trailing
     blank lines; "tokens" compares whitespace-separated tokens."""
-    cpu_s: int = Field(default=5, gt=0)
-    """CPU-time limit per test process (RLIMIT_CPU), seconds."""
-    wall_s: float = Field(default=10.0, gt=0)
+    cpu_s: int | None = Field(default=None, gt=0)
+    """CPU-time limit per test process (RLIMIT_CPU), seconds; None: the server's `sandbox.cpu_s`, which
+    it may only lower (as every limit below)."""
+    wall_s: float | None = Field(default=None, gt=0)
     """Wall-clock limit per test process, seconds; the process group is killed past it."""
-    total_wall_s: float = Field(default=60.0, gt=0)
+    total_wall_s: float | None = Field(default=None, gt=0)
     """Wall-clock budget for all of one item's tests; tests not started within it fail."""
-    memory_mb: int = Field(default=512, gt=0)
+    memory_mb: int | None = Field(default=None, gt=0)
     """Address-space limit per test process (RLIMIT_AS), MiB."""
-    max_processes: int = Field(default=32, gt=0)
+    max_processes: int | None = Field(default=None, gt=0)
     """Process/thread limit (RLIMIT_NPROC) for the sandbox uid."""
-    file_size_mb: int = Field(default=8, gt=0)
+    file_size_mb: int | None = Field(default=None, gt=0)
     """Largest file the program may write, stdout included (RLIMIT_FSIZE), MiB."""
-    max_open_files: int = Field(default=64, gt=0)
+    max_open_files: int | None = Field(default=None, gt=0)
     """Open file descriptor limit (RLIMIT_NOFILE)."""
-    tmpfs_mb: int = Field(default=64, gt=0)
+    tmpfs_mb: int | None = Field(default=None, gt=0)
     """Size of the program's private /tmp (its working directory lives there), MiB."""
-    allow_unisolated: bool = False
-    """Run even where network/pid/mount namespaces are unavailable (rlimits only): unsafe for
-    untrusted code."""
+    allow_unisolated: bool | None = None
+    """Run even where network/pid/mount namespaces are unavailable (rlimits only): unsafe for untrusted
+    code. Only where the server's `sandbox.allow_unisolated` allows it; None: the server's setting."""
+
+    def requested_limits(self) -> dict[str, Any]:
+        """The sandbox fields this request sets or leaves to the server (None)."""
+        return {name: getattr(self, name) for name in SandboxConfig.model_fields}
 
 
 @dataclass(frozen=True)
@@ -124,28 +141,40 @@ class CodeExec(Scorer):
     params: CodeExecParams
     per_item = True
 
-    def __init__(self, params: CodeExecParams) -> None:
+    def __init__(self, params: CodeExecParams, limits: SandboxConfig) -> None:
         super().__init__(params)
+        self.limits = limits
         self.isolation = probe_isolation()
+
+    @classmethod
+    def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
+        """The request's limits within the server's: a looser one is `InvalidScorerSpec` naming it."""
+        assert isinstance(params, CodeExecParams)
+        return cls(params, tighten(policy.sandbox, params.requested_limits()))
 
     def _score_one(self, item: ScoreInput) -> ScoreResult:
         tests = parse_tests(item.metadata.get(self.params.tests_key))
         code = extract_code(item.completion) if self.params.extract_code else item.completion
-        deadline = time.monotonic() + self.params.total_wall_s
+        deadline = time.monotonic() + self.limits.total_wall_s
         passed = timed_out = 0
-        for test in tests:
+        hits: list[str] = []
+        for index, test in enumerate(tests):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                hits.append(f"total wall time limit ({self.limits.total_wall_s:g} s) reached")
                 break
-            run_ok, run = self._run_test(code, test, min(self.params.wall_s, remaining))
+            limits = self._limits(min(self.limits.wall_s, remaining))
+            run_ok, run = self._run_test(code, test, limits)
             passed += run_ok
             timed_out += run.timed_out or run.cpu_exceeded
+            hit = None if run_ok else limit_exceeded(run, limits)
+            if hit is not None:
+                hits.append(f"test {index}: {hit}")
         components = {"passed": float(passed), "total": float(len(tests)), "timed_out": float(timed_out)}
-        return ScoreResult.ok(passed / len(tests), components)
+        return ScoreResult.ok(passed / len(tests), components, "; ".join(hits))
 
-    def _run_test(self, code: str, test: CodeTest, wall_s: float) -> tuple[bool, SandboxRun]:
-        limits = self._limits(wall_s)
-        allow = self.params.allow_unisolated
+    def _run_test(self, code: str, test: CodeTest, limits: SandboxLimits) -> tuple[bool, SandboxRun]:
+        allow = self.limits.allow_unisolated
         if test.statement is None:
             run = run_python(code, test.stdin, limits, allow_unisolated=allow)
             return run.ok and outputs_match(run.stdout, test.expected or "", self.params.output_match), run
@@ -156,13 +185,13 @@ class CodeExec(Scorer):
         return run.ok and bool(lines) and lines[-1] == token, run
 
     def _limits(self, wall_s: float) -> SandboxLimits:
-        p = self.params
+        limits = self.limits
         return SandboxLimits(
-            cpu_s=p.cpu_s,
+            cpu_s=limits.cpu_s,
             wall_s=wall_s,
-            memory_mb=p.memory_mb,
-            max_processes=p.max_processes,
-            file_size_mb=p.file_size_mb,
-            max_open_files=p.max_open_files,
-            tmpfs_mb=p.tmpfs_mb,
+            memory_mb=limits.memory_mb,
+            max_processes=limits.max_processes,
+            file_size_mb=limits.file_size_mb,
+            max_open_files=limits.max_open_files,
+            tmpfs_mb=limits.tmpfs_mb,
         )

@@ -10,11 +10,12 @@ per-item part is parallel across items and its exceptions are per-item errors).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from pydantic import Field, field_validator
 
 from rlfabric.reward.scorers.base import InvalidScorerSpec, ScoreInput, Scorer, ScoreResult, ScorerParams
+from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.scorers.registry import build_scorer, register
 from rlfabric.reward.scorers.runner import run_scorer
 
@@ -44,9 +45,9 @@ class CompositeParams(ScorerParams):
         return parts
 
 
-def _build_part(index: int, part: PartSpec) -> Scorer:
+def _build_part(index: int, part: PartSpec, policy: ScorerPolicy) -> Scorer:
     try:
-        return build_scorer(part.scorer, part.params)
+        return build_scorer(part.scorer, part.params, policy)
     except InvalidScorerSpec as exc:
         field = "scorer" if exc.field == "name" else exc.field
         raise InvalidScorerSpec(f"parts[{index}].{field}", exc.reason) from exc
@@ -60,9 +61,15 @@ class Composite(Scorer):
     Params = CompositeParams
     params: CompositeParams
 
-    def __init__(self, params: CompositeParams) -> None:
+    def __init__(self, params: CompositeParams, policy: ScorerPolicy) -> None:
         super().__init__(params)
-        self.parts = [_build_part(i, part) for i, part in enumerate(params.parts)]
+        self.parts = [_build_part(i, part, policy) for i, part in enumerate(params.parts)]
+
+    @classmethod
+    def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
+        """Every part is built under the same policy as the composite."""
+        assert isinstance(params, CompositeParams)
+        return cls(params, policy)
 
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         per_part = [run_scorer(scorer, items) for scorer in self.parts]

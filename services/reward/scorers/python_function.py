@@ -2,7 +2,8 @@
 
 The function is `fn(prompts, completions, **columns) -> list[float | None]`, as TRL's GRPOTrainer calls
 reward functions, so existing ones work unchanged. It is named `"package.module:attr"` (imported) or
-`"path/to/file.py:attr"` (loaded from the file). Per batch it receives:
+`"path/to/file.py:attr"` (loaded from the file), and only where the server's `allowed_functions` allow it
+(see `policy.py`: the check comes before any import). Per batch it receives:
 
 - `prompts`: each item's prompt, a string or a list of chat messages, as given;
 - `completions`: the completion strings;
@@ -26,9 +27,16 @@ import numbers
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Self
 
 from rlfabric.reward.scorers.base import InvalidScorerSpec, ScoreInput, Scorer, ScoreResult, ScorerParams
+from rlfabric.reward.scorers.policy import (
+    FunctionAllowlist,
+    ScorerPolicy,
+    check_attribute_path,
+    resolve_attribute,
+)
 from rlfabric.reward.scorers.registry import register
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -37,47 +45,48 @@ _POSITIONAL = {"prompts", "completions"}
 
 class PythonFunctionParams(ScorerParams):
     function: str
-    """The function: "package.module:attr" or "path/to/file.py:attr"."""
+    """The function: "package.module:attr" or "path/to/file.py:attr"; the server's `allowed_functions`
+    must allow it."""
     kwargs: dict[str, Any] = {}
     """Extra constant keyword arguments passed on every call (after the columns; they win on a clash)."""
 
 
-def load_function(spec: str) -> RewardFn:
-    """Resolve "module:attr" or "file.py:attr" to a callable; `InvalidScorerSpec` on any failure."""
+def load_function(spec: str, allowlist: FunctionAllowlist) -> RewardFn:
+    """Resolve "module:attr" or "file.py:attr" to a callable the allowlist allows; `InvalidScorerSpec` on
+    any failure. Invariant: nothing is imported and no file is read before the allowlist said yes."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise InvalidScorerSpec("function", f"expected 'module:attr' or 'path.py:attr', got {spec!r}")
-    module = _load_module(target)
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise InvalidScorerSpec("function", f"{target!r} has no attribute {attr!r}")
+    parts = check_attribute_path(attr)
+    if target.endswith(".py"):
+        module = _guarded_load(lambda: _load_file(allowlist.check_file(target)), target)
+    else:
+        allowlist.check_module(target, attr)
+        module = _guarded_load(lambda: importlib.import_module(target), target)
+    fn = resolve_attribute(module, parts, spec)
+    allowlist.check_definition(fn, spec, module.__name__)
     if not callable(fn):
         raise InvalidScorerSpec("function", f"{spec!r} is not callable")
     return fn
 
 
-def _load_module(target: str) -> Any:
+def _guarded_load(load: Callable[[], ModuleType], target: str) -> ModuleType:
+    """`load()` with every failure but a refusal turned into `InvalidScorerSpec`."""
     try:
-        if target.endswith(".py"):
-            return _load_file(Path(target))
-        return importlib.import_module(target)
+        return load()
     except InvalidScorerSpec:
         raise
     except Exception as exc:
         raise InvalidScorerSpec("function", f"cannot load {target!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _load_file(path: Path) -> Any:
-    if not path.is_file():
-        raise InvalidScorerSpec("function", f"no such file: {str(path)!r}")
-    resolved = path.resolve()
+def _load_file(resolved: Path) -> ModuleType:
+    """Imports the (allowed, resolved) file under a name derived from its path."""
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
     name = f"rlfabric_user_reward_{digest}"
     spec = importlib.util.spec_from_file_location(name, resolved)
     if spec is None or spec.loader is None:
-        raise InvalidScorerSpec("function", f"cannot import {str(path)!r}")
+        raise InvalidScorerSpec("function", f"cannot import {str(resolved)!r}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -108,10 +117,16 @@ class PythonFunction(Scorer):
     Params = PythonFunctionParams
     params: PythonFunctionParams
 
-    def __init__(self, params: PythonFunctionParams) -> None:
+    def __init__(self, params: PythonFunctionParams, fn: RewardFn) -> None:
         super().__init__(params)
-        self._fn = load_function(params.function)
-        self._accepts = _accepted_keywords(self._fn)
+        self._fn = fn
+        self._accepts = _accepted_keywords(fn)
+
+    @classmethod
+    def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
+        """Loads the function only where the server's `allowed_functions` allows it."""
+        assert isinstance(params, PythonFunctionParams)
+        return cls(params, load_function(params.function, policy.allowlist))
 
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         kwargs = {**build_columns(items), **self.params.kwargs}

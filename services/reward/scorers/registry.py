@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from rlfabric.reward.scorers.base import InvalidScorerSpec, Scorer, ScorerParams
+from rlfabric.reward.scorers.policy import ScorerPolicy
 
 SCORERS: dict[str, type[Scorer]] = {}
 S = TypeVar("S", bound=type[Scorer])
@@ -97,14 +98,17 @@ def _json_type(prop: dict[str, Any]) -> str:
     return "object"
 
 
-def build_scorer(name: str, params: Mapping[str, Any] | None = None) -> Scorer:
-    """Validate `params` for the scorer `name` and build it; raise `InvalidScorerSpec` naming the field."""
+def build_scorer(
+    name: str, params: Mapping[str, Any] | None = None, policy: ScorerPolicy | None = None
+) -> Scorer:
+    """Validate `params` for the scorer `name` and build it under `policy` (None: the default policy, no
+    user code and the default sandbox); raise `InvalidScorerSpec` naming the field."""
     cls = SCORERS.get(name)
     if cls is None:
         raise InvalidScorerSpec("name", f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
     validated = validate_params(cls, params or {})
     try:
-        return cls(validated)
+        return cls.create(validated, policy or ScorerPolicy())
     except InvalidScorerSpec as exc:
         raise InvalidScorerSpec(f"params.{exc.field}", exc.reason) from exc
 

@@ -26,6 +26,7 @@ Why each defence exists:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -100,6 +101,31 @@ class SandboxRun:
     @property
     def cpu_exceeded(self) -> bool:
         return self.signal in (signal.SIGXCPU, signal.SIGKILL) and not self.timed_out
+
+
+# What a program's last words say when an rlimit stopped it (Python raises rather than dies for these).
+_STDERR_SIGNS = (
+    (("MemoryError",), "memory limit ({memory_mb} MB) exceeded"),
+    (("BlockingIOError", "can't start new thread"), "process limit ({max_processes}) reached"),
+    (("Too many open files",), "open file limit ({max_open_files}) reached"),
+)
+
+
+def limit_exceeded(run: SandboxRun, limits: SandboxLimits) -> str | None:
+    """Which limit ended or broke `run`, as a message with the limit's value ("cpu time limit (2 s)
+    exceeded"); None when no limit shows. Signals are certain; the stderr signs are what the program
+    printed (it could fake them, which only mislabels its own failure)."""
+    if run.timed_out:
+        return f"wall time limit ({limits.wall_s:g} s) exceeded"
+    if run.cpu_exceeded:
+        return f"cpu time limit ({limits.cpu_s} s) exceeded"
+    if run.signal == signal.SIGXFSZ:
+        return f"file size limit ({limits.file_size_mb} MB) exceeded"
+    tail = run.stderr[-2000:]
+    for signs, message in _STDERR_SIGNS:
+        if any(sign in tail for sign in signs):
+            return message.format(**dataclasses.asdict(limits))
+    return None
 
 
 @dataclass(frozen=True)
