@@ -95,6 +95,25 @@ def test_the_coordinator_reaches_reward_and_reads_the_dataset(tmp_path: Path) ->
     assert run.dataset.path in mounts
 
 
+def test_every_service_holds_its_credentials_and_both_ends_agree(tmp_path: Path) -> None:
+    """No service runs `--insecure`; each credential is set, and what one service requires is what its
+    caller presents."""
+    configs = {
+        n: config_of(n, tmp_path) for n in ("reward", "rollout-0", "rollout-1", "learner", "coordinator")
+    }
+    for name, config in configs.items():
+        assert config["insecure"] is False and "--insecure" not in rlfabric_services()[name]["command"]
+    coordinator, learner = configs["coordinator"], configs["learner"]
+    assert coordinator["api"]["token"]
+    assert configs["reward"]["token"] and coordinator["reward_token"] == configs["reward"]["token"]
+    assert learner["token"] and coordinator["learner_token"] == learner["token"]
+    for replica in ("rollout-0", "rollout-1"):
+        assert (
+            configs[replica]["learner_token"]
+            and configs[replica]["learner_token"] == learner["publish_token"]
+        )
+
+
 def test_redis_is_durable_and_never_evicts() -> None:
     command = services()["redis"]["command"]
     assert command[command.index("--appendonly") + 1] == "yes"

@@ -216,6 +216,39 @@ def test_learner_trains_the_submitted_run_on_a_consistent_world(overlay: str, tm
         )
 
 
+# (workload kind, name, container, config key, Secret key): every credential issue 17 agreed, from the Secret.
+CREDENTIALS = [
+    ("Deployment", "rlfabric-reward", "reward", "token", "reward-token"),
+    ("Deployment", "rlfabric-coordinator", "coordinator", "api.token", "api-token"),
+    ("Deployment", "rlfabric-coordinator", "coordinator", "reward_token", "reward-token"),
+    ("Deployment", "rlfabric-coordinator", "coordinator", "learner_token", "learner-status-token"),
+    ("Deployment", "rlfabric-rollout", "rollout", "learner_token", "learner-token"),
+    ("Job", "rlfabric-learner", "learner", "publish_token", "learner-token"),
+    ("Job", "rlfabric-learner", "learner", "token", "learner-status-token"),
+]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_holds_its_credentials_from_the_secret(overlay: str, tmp_path: Path) -> None:
+    """Each token comes from the rlfabric-tokens Secret through `valueFrom.secretKeyRef` (never a literal
+    in a manifest), lands on the config key the service checks, and no service runs `--insecure`: both
+    ends of each credential read the same Secret key, so they agree."""
+    objects = rendered(overlay)
+    for kind, name, container_name, key, secret_key in CREDENTIALS:
+        c = container(objects, kind, name, container_name)
+        config = served_config(c, tmp_path)
+        for part in key.split("."):
+            config = config[part]
+        variable = f"RLFABRIC_{container_name.upper()}__{key.upper().replace('.', '__')}"
+        [var] = [v for v in c.spec["env"] if v["name"] == variable]
+        ref = var["valueFrom"]["secretKeyRef"]
+        assert re.fullmatch(r"rlfabric-tokens(-[a-z0-9]+)?", ref["name"]), ref  # kustomize adds a hash
+        assert ref["key"] == secret_key, variable
+        assert config and config == c.env[variable], f"{c.name}: {key} is not set from {variable}"
+        assert not served_config(c, tmp_path)["insecure"], f"{c.name} serves without credentials"
+        assert "--insecure" not in c.argv()
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_coordinator_can_read_the_dataset_of_the_run(overlay: str) -> None:
     objects = rendered(overlay)
