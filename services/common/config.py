@@ -17,6 +17,7 @@ fails at start with the field named instead of being silently ignored.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -26,6 +27,27 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: `1e-6` and `3E5` are numbers, not strings (YAML 1.1
+    needs a dot and a signed exponent), so they validate as floats under the run spec's strict types."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    """One YAML document with `_YamlLoader` (safe: plain data only)."""
+    loader = _YamlLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class ConfigError(ValueError):
@@ -57,7 +79,7 @@ def _parse(suffix: str, text: str) -> Any:
     if suffix == ".toml":
         return tomllib.loads(text)
     if suffix in (".yaml", ".yml"):
-        return yaml.safe_load(text) or {}
+        return yaml_load(text) or {}
     if suffix == ".json":
         return json.loads(text)
     raise ConfigError(f"unsupported config format {suffix!r}: use .toml, .yaml, .yml or .json")
@@ -66,7 +88,7 @@ def _parse(suffix: str, text: str) -> Any:
 def parse_value(text: str) -> Any:
     """Parses an override value the way YAML reads a scalar or flow collection."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return yaml_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
 

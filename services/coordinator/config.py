@@ -57,6 +57,13 @@ class CoordinatorServiceConfig(StrictModel):
     `insecure`."""
     max_stream_length: int = Field(default=1024, ge=1)
     """Backpressure: stop enqueueing while the run's stream holds this many unconsumed groups."""
+    data_roots: list[str] = Field(default_factory=lambda: ["."])
+    """Folders a run's `dataset.path` must lie in, after resolving `..` and symlinks (relative ones are
+    taken from the working directory); a spec naming a path elsewhere is refused with 422. `rlfabric up`
+    allows its working directory, the run file's folder and the run directory."""
+    model_roots: list[str] = Field(default_factory=lambda: ["."])
+    """Folders a run's `model.path`, `model.reference_path` and `model.critic_path` must lie in, as for
+    `data_roots`; hub ids (`org/name`) are allowed as well."""
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
     insecure: bool = False

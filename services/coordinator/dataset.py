@@ -23,7 +23,9 @@ from rlfabric.common.runspec import DatasetSpec
 
 
 class DatasetError(ValueError):
-    """The dataset cannot be used; the message names the file and the problem."""
+    """The dataset cannot be used. The message names the spec field, the file and the problem, never
+    the file's data (not even its column names): a spec's author may point it at any file the
+    coordinator can read."""
 
 
 @dataclass(frozen=True)
@@ -36,57 +38,86 @@ class PromptRow:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[Any]:
+    """The file's records, unchecked (each should be a JSON object / table row)."""
     if path.is_dir():
         return _read_hf_disk(path)
     if path.suffix == ".parquet":
         return _read_parquet(path)
     if path.suffix in (".jsonl", ".json"):
         return _read_jsonl(path)
-    raise DatasetError(f"{path}: unsupported dataset format (use .jsonl, .parquet or a save_to_disk folder)")
+    raise DatasetError(
+        f"dataset.path {path}: unsupported dataset format (use .jsonl, .parquet or a save_to_disk folder)"
+    )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path) -> list[Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DatasetError(f"dataset.path {path}: not UTF-8 text") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{number}: not JSON: {exc}") from exc
+                raise DatasetError(f"dataset.path {path}: line {number} is not JSON ({exc.msg})") from None
     return rows
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_parquet(path: Path) -> list[Any]:
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise DatasetError(f"{path}: reading Parquet needs the pyarrow package") from exc
-    return list(pq.read_table(path).to_pylist())
+        raise DatasetError(f"dataset.path {path}: reading Parquet needs the pyarrow package") from exc
+    try:
+        return list(pq.read_table(path).to_pylist())
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise DatasetError(
+            f"dataset.path {path}: not a readable Parquet file ({type(exc).__name__})"
+        ) from None
 
 
-def _read_hf_disk(path: Path) -> list[dict[str, Any]]:
+def _read_hf_disk(path: Path) -> list[Any]:
     try:
         import datasets
     except ImportError as exc:
-        raise DatasetError(f"{path}: reading a save_to_disk folder needs the datasets package") from exc
-    data = datasets.load_from_disk(str(path))
+        raise DatasetError(
+            f"dataset.path {path}: reading a save_to_disk folder needs the datasets package"
+        ) from exc
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"dataset.path {path}: not a save_to_disk folder ({type(exc).__name__})") from None
     if isinstance(data, datasets.DatasetDict):
         data = data["train"]
     return [dict(row) for row in data]
 
 
 def load_rows(spec: DatasetSpec) -> list[PromptRow]:
-    """Every row of the dataset as a PromptRow; DatasetError for a missing file or prompt column."""
+    """Every row of the dataset as a PromptRow; DatasetError for a missing or unreadable file, a row that
+    is not an object, or a row without the prompt column."""
     path = Path(spec.path)
     if not path.exists():
-        raise DatasetError(f"dataset file not found: {path}")
+        raise DatasetError(f"dataset.path {path}: no such file or folder")
     records = read_records(path)
     if not records:
-        raise DatasetError(f"{path}: the dataset is empty")
-    if spec.prompt_field not in records[0]:
-        raise DatasetError(f"{path}: no prompt column {spec.prompt_field!r} (columns: {sorted(records[0])})")
+        raise DatasetError(f"dataset.path {path}: the dataset is empty")
+    for number, record in enumerate(records, 1):
+        check_record(spec, path, number, record)
     return [to_row(spec, i, record) for i, record in enumerate(records)]
+
+
+def check_record(spec: DatasetSpec, path: Path, number: int, record: Any) -> None:
+    """DatasetError unless row `number` (1-based) is an object holding the prompt column."""
+    if not isinstance(record, dict):
+        raise DatasetError(f"dataset.path {path}: row {number} is not a JSON object")
+    if spec.prompt_field not in record:
+        raise DatasetError(
+            f"dataset.prompt_field: row {number} of {path} has no column {spec.prompt_field!r}"
+        )
 
 
 def to_row(spec: DatasetSpec, index: int, record: dict[str, Any]) -> PromptRow:

@@ -58,7 +58,11 @@ COUNTERS = (
 INDEX_KEY = "rlfabric:runs"
 MetricsRows = list[dict[str, Any]]
 """Metrics rows, oldest first (an alias: `RunStore.list` shadows the builtin inside the class)."""
-_STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+_STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
+STREAM_ID_PART_MAX = 2**64 - 1
+"""Each part of a Redis stream id (`<ms>-<seq>`) is an unsigned 64-bit integer."""
+LAST_STREAM_ID = (STREAM_ID_PART_MAX, STREAM_ID_PART_MAX)
+"""The largest stream id: no entry can follow it."""
 
 
 class RunError(Exception):
@@ -364,8 +368,8 @@ class RunStore:
         """Metrics rows after stream id `since_id` (all when None), oldest first, at most `limit`.
 
         Each row is the stored JSON object plus `_id`, its stream id (pass the last one as `since_id`)."""
-        if since_id is not None and not _STREAM_ID.match(since_id):
-            raise ValueError(f"not a stream id: {since_id!r} (expected e.g. 1700000000000-0)")
+        if since_id is not None and parse_stream_id(since_id) == LAST_STREAM_ID:
+            return []  # nothing can follow the largest id (and Redis refuses to start after it)
         start = f"({since_id}" if since_id else "-"
         entries: Any = await self.redis.xrange(metrics_key(run_id), min=start, max="+", count=limit)
         return [_row(entry_id, fields) for entry_id, fields in entries]
@@ -374,6 +378,18 @@ class RunStore:
         """The last `count` metrics rows, oldest first."""
         entries: Any = await self.redis.xrevrange(metrics_key(run_id), max="+", min="-", count=count)
         return [_row(entry_id, fields) for entry_id, fields in reversed(entries)]
+
+
+def parse_stream_id(text: str) -> tuple[int, int | None]:
+    """(ms, seq) of a Redis stream id, `<ms>` (seq None) or `<ms>-<seq>`, each part at most 2**64 - 1;
+    ValueError otherwise (its message does not repeat the text)."""
+    match = _STREAM_ID.match(text)
+    if match is None:
+        raise ValueError("not a stream id: expected <milliseconds>-<sequence>, e.g. 1700000000000-0")
+    ms, seq = int(match[1]), None if match[2] is None else int(match[2])
+    if ms > STREAM_ID_PART_MAX or (seq or 0) > STREAM_ID_PART_MAX:
+        raise ValueError(f"stream id out of range: each part is at most {STREAM_ID_PART_MAX}")
+    return ms, seq
 
 
 def _row(entry_id: Any, fields: Any) -> dict[str, Any]:
