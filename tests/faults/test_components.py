@@ -5,6 +5,7 @@ poison entries in the queue, and a replica that joins mid-run. Each run complete
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import signal
@@ -26,7 +27,7 @@ def test_failing_scorer_drops_its_groups_with_a_reason(
 ) -> None:
     scorer = {"scorer": "python_function", "params": {"function": f"{HERE / 'fault_scorers.py'}:{function}"}}
     stack = make_stack(reward={**scorer, "item_timeout_s": 2.0})
-    stack.start()
+    stack.start(reward_settings=(f"allowed_functions={json.dumps([str(HERE)])}",))
     status = stack.finish(timeout_s=480)  # each hang holds the one scorer worker ~36 s (seen: 316 s in all)
     counters = status["counters"]
     assert counters["dropped_scorer_error"] >= 1, counters

@@ -55,15 +55,18 @@ def user_fn(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """One reward service process with a single worker (so a hung worker would block the next call)."""
+def server(tmp_path_factory: pytest.TempPathFactory, user_fn: str) -> Iterator[dict[str, str]]:
+    """One reward service process with a single worker (so a hung worker would block the next call),
+    allowed to load user functions from `user_fn`'s directory only."""
     logs = tmp_path_factory.mktemp("reward")
+    allowed = json.dumps([str(Path(user_fn.rpartition(":")[0]).parent)])
     proc = ServiceProcess(
         "reward",
         [
             sys.executable, "-m", "rlfabric.cli", "serve", "reward", "--port", "0",
             "--set", "workers=1", "--set", "max_batch_items=100", "--set", "max_item_bytes=20000",
             "--set", "server.metrics_port=0", "--set", "log.format=text",
+            "--set", f"allowed_functions={allowed}",
         ],
         log_path=logs / "reward.log",
         env={**os.environ, "RLFABRIC_TEST_SECRET": "s3cret", "RLFABRIC_REWARD__TOKEN": TOKEN},
