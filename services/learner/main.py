@@ -32,6 +32,9 @@ from rlfabric.learner.loop import (
     StepSource,
     broadcast_flag,
     checkpoint,
+    mark_restart,
+    plan_restart,
+    record_restart,
     restore,
     share_payloads,
     to_group_samples,
@@ -94,7 +97,7 @@ class Learner:
         self.publisher = Publisher(
             self.paths, self.redis, self.config.run_id, self.spec.weights.keep_versions
         )
-        self.version = self.publisher.next_version(self.trainer.policy_version) - 1
+        self.version = self.trainer.policy_version
         self.export = StepExport(self.paths.run_dir)
         await self.start_status_server()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.request_stop)
@@ -111,10 +114,31 @@ class Learner:
     def request_stop(self) -> None:
         self.stopping = True
 
+    async def resume(self) -> None:
+        """Collective, after `start`. A restarted learner publishes the restored weights at once when the
+        newest published version does not hold them, so the replicas move to the restored policy; hands
+        back, as it reads them, the groups of the versions that rolled back; marks the restart in the
+        metrics (`loop.plan_restart`, `rlfabric.common.lineage`)."""
+        restart = None
+        if self.world.is_main:
+            restart = await plan_restart(self.redis, self.config.run_id, self.publisher, self.trainer)
+        publish = restart.plan.publish if restart is not None else None
+        if broadcast_flag(publish is not None, self.world):
+            if restart is not None:  # rank 0
+                await record_restart(self.redis, self.config.run_id, restart)
+            await self.publish_weights(publish or 0, restart.metadata if restart is not None else None)
+        if restart is None:
+            return
+        self.version = self.trainer.policy_version = restart.plan.version
+        self.source.lineage = restart.lineage
+        await mark_restart(self.redis, self.config.run_id, self.paths, restart, len(self.ledger))
+        self.status.message.step, self.status.message.policy_version = restart.step, self.version
+
     # --- the loop ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
         await self.start()
+        await self.resume()
         while self.trainer.step < self.spec.train.steps:
             deliveries = await self.collect()
             payloads = share_payloads(self.encode(deliveries), self.world)
@@ -206,11 +230,18 @@ class Learner:
         self.status.message.checkpoint_step = self.trainer.step
 
     async def publish(self, metrics: dict[str, float]) -> None:
-        state_dict = await asyncio.to_thread(self.trainer.full_state_dict)  # collective
+        seconds = await self.publish_weights(self.version, {"step": self.trainer.step})
+        if self.world.is_main:
+            metrics["publish_seconds"] = seconds
+
+    async def publish_weights(self, version: int, metadata: dict[str, Any] | None = None) -> float:
+        """Collective: gathers the full weights; rank 0 publishes them as `version` (returns its seconds)."""
+        state_dict = await asyncio.to_thread(self.trainer.full_state_dict)
         if getattr(self.trainer.model.config, "tie_word_embeddings", False):
             state_dict.pop("lm_head.weight", None)  # tied to the embeddings: checkpoints leave it out
-        if self.world.is_main:
-            metrics["publish_seconds"] = await self.publisher.publish(self.version, state_dict)
+        if not self.world.is_main:
+            return 0.0
+        return await self.publisher.publish(version, state_dict, metadata)
 
     async def report(self, metrics: dict[str, float], groups: int) -> None:
         """One row per step: metrics.jsonl, the run's Redis metrics stream, and GetStatus."""
@@ -238,6 +269,7 @@ class Learner:
         row["tokens_per_s"] = metrics.get("tokens", 0.0) / seconds if seconds else 0.0
         row["staleness_mean"] = sum(step_staleness) / len(step_staleness)
         row.update(groups_trained=counters.trained, groups_dropped_stale=counters.dropped_stale)
+        row["groups_rolled_back"] = counters.rolled_back
         row.update({f"queue_{k}": v for k, v in self.source.consumer.counters.as_dict().items()})
         return row
 

@@ -263,6 +263,10 @@ class GroupConsumer:
         self._in_flight.difference_update(entry_ids)
         return acked
 
+    def forget(self, entry_id: str) -> None:
+        """Stops tracking a delivered entry that the caller acknowledged in a script of its own."""
+        self._in_flight.discard(entry_id)
+
     async def dead_letter(self, delivery: Delivery, error: str, *, reason: str = REASON_STEP) -> None:
         """Moves a delivered group that cannot be trained to the dead-letter stream and acknowledges it."""
         await self._dead_letter(dataclasses.replace(delivery, error=error), reason)
