@@ -93,7 +93,7 @@ def descendants(root: int) -> list[int]:
 
 def reap_all() -> dict[int, int]:
     """Reaps every exited child without blocking; returns pid -> wait status of those reaped."""
-    reaped = {}
+    reaped: dict[int, int] = {}
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)

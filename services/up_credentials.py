@@ -1,0 +1,102 @@
+"""The per-run credentials of `rlfabric up`: one random token per protected endpoint, generated when a run
+directory is first used, kept in RUN_DIR/credentials.json (mode 0600: the owner alone reads it) and handed
+to each service through its environment (`RLFABRIC_<SERVICE>__KEY`), never on a command line, where any
+local user could read it in the process list.
+
+    token     guards                                  held by (environment variable)
+    api       the coordinator's REST API (/v1)         coordinator  RLFABRIC_COORDINATOR__API__TOKEN; `up`
+    reward    the reward service's Score               reward       RLFABRIC_REWARD__TOKEN
+                                                       coordinator  RLFABRIC_COORDINATOR__REWARD_TOKEN
+    weights   the replicas' UpdateWeights              rollout      RLFABRIC_ROLLOUT__LEARNER_TOKEN
+                                                       learner      RLFABRIC_LEARNER__PUBLISH_TOKEN
+    learner   the learner's GetStatus                  learner      RLFABRIC_LEARNER__TOKEN
+                                                       coordinator  RLFABRIC_COORDINATOR__LEARNER_TOKEN
+
+`up --resume` reads the same file, so a resumed run keeps its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FILE_NAME = "credentials.json"
+
+SERVICE_ENV: dict[str, dict[str, str]] = {
+    "coordinator": {
+        "RLFABRIC_COORDINATOR__API__TOKEN": "api",
+        "RLFABRIC_COORDINATOR__REWARD_TOKEN": "reward",
+        "RLFABRIC_COORDINATOR__LEARNER_TOKEN": "learner",
+    },
+    "reward": {"RLFABRIC_REWARD__TOKEN": "reward"},
+    "rollout": {"RLFABRIC_ROLLOUT__LEARNER_TOKEN": "weights"},
+    "learner": {"RLFABRIC_LEARNER__PUBLISH_TOKEN": "weights", "RLFABRIC_LEARNER__TOKEN": "learner"},
+}
+"""Per service: environment variable -> the token (a field of `Credentials`) it carries."""
+
+
+class CredentialsError(RuntimeError):
+    """The credentials file is missing, malformed or readable by others; the message says which."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The run's tokens (see the module docstring for who holds which)."""
+
+    api: str
+    reward: str
+    weights: str
+    learner: str
+
+    @classmethod
+    def generate(cls) -> Credentials:
+        """Fresh tokens, 32 random bytes each (URL-safe text)."""
+        return cls(*(secrets.token_urlsafe(32) for _ in range(4)))
+
+    def env(self, service: str) -> dict[str, str]:
+        """The environment variables that hand `service` its tokens (KeyError for an unknown service)."""
+        return {name: getattr(self, field) for name, field in SERVICE_ENV[service].items()}
+
+    def save(self, run_dir: Path) -> Path:
+        """Writes RUN_DIR/credentials.json, created with mode 0600 (never readable by others, not even
+        for a moment); replaces an older file atomically."""
+        path = run_dir / FILE_NAME
+        partial = path.with_suffix(".tmp")
+        partial.unlink(missing_ok=True)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(asdict(self), out, indent=2)
+        os.replace(partial, path)
+        return path
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Credentials:
+        """The tokens saved in RUN_DIR; CredentialsError if the file is missing, malformed, or readable
+        or writable by group or others."""
+        path = run_dir / FILE_NAME
+        try:
+            mode = path.stat().st_mode
+            data = json.loads(path.read_text())
+            credentials = cls(**{name: str(data[name]) for name in ("api", "reward", "weights", "learner")})
+        except FileNotFoundError as exc:
+            raise CredentialsError(f"{path} does not exist") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CredentialsError(f"{path} is not a credentials file of `rlfabric up`") from exc
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise CredentialsError(
+                f"{path} is accessible by others (mode {stat.S_IMODE(mode):o}); chmod 600 it"
+            )
+        return credentials
+
+
+def for_run(run_dir: Path, *, resume: bool) -> Credentials:
+    """The run's credentials: those saved in RUN_DIR when resuming, else fresh ones, saved there."""
+    if resume:
+        return Credentials.load(run_dir)
+    credentials = Credentials.generate()
+    credentials.save(run_dir)
+    return credentials
