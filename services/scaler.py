@@ -7,7 +7,10 @@ signal (the number a cluster's KEDA or HPA reads as `rlfabric_coordinator_desire
     scale in     target below it for `down_after_s`: SIGTERM the newest replica; it deregisters, and the
                  coordinator re-dispatches whatever it still had in flight, so nothing is lost
 
-One change at a time: no decision while a replica is still starting. Scaling in waits longer than scaling
+One change at a time: no decision while a replica is still starting. With a supervisor, a replica that
+died is restarted by it under the same replica id, and counts as running meanwhile (the scaler does not
+replace it); a replica the scaler added is supervised once ready, and forgotten before a scale-in stops
+it. Scaling in waits longer than scaling
 out, as the HPA's stabilisation window does, because a replica is slow to start and cheap to keep.
 """
 
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfabric.common.procs import ServiceProcess, ServiceStartError
+from rlfabric.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,8 @@ class LocalScaler:
     replicas: list[ServiceProcess]
     events: list[ScaleEvent] = field(default_factory=list)
     failed_starts: int = 0
+    supervisor: Supervisor | None = None
+    """Restarts replicas that die (see the module docstring); None: a dead replica is replaced."""
     _want: tuple[int, float] | None = None
     _starting: threading.Thread | None = None
     _next_index: int = 0
@@ -77,7 +83,7 @@ class LocalScaler:
         """Takes one reading of the desired count; returns the event if it scaled."""
         if self._starting is not None and self._starting.is_alive():
             return None
-        self.replicas = [p for p in self.replicas if p.running()]  # a crashed one is replaced
+        self.replicas = [p for p in self.replicas if self.alive(p)]
         target = max(self.policy.minimum, min(self.policy.maximum, desired or 0))
         direction = (target > len(self.replicas)) - (target < len(self.replicas))
         if direction == 0:
@@ -96,6 +102,10 @@ class LocalScaler:
         self.events.append(event)
         return event
 
+    def alive(self, proc: ServiceProcess) -> bool:
+        """`proc` counts as running: it runs, or its supervisor is restarting it."""
+        return self.supervisor.alive(proc) if self.supervisor is not None else proc.running()
+
     def scale_out(self) -> ServiceProcess:
         proc = self.launch(self._next_index)
         self._next_index += 1
@@ -111,8 +121,13 @@ class LocalScaler:
             log.warning("scaled-out replica %s did not start", proc.name, exc_info=True)
             self.failed_starts += 1
             proc.stop(grace_s=10)
+            return
+        if self.supervisor is not None:
+            self.supervisor.watch(proc, self.ready)
 
     def scale_in(self) -> ServiceProcess:
         proc = self.replicas.pop()
+        if self.supervisor is not None:
+            self.supervisor.forget(proc)
         threading.Thread(target=proc.stop, kwargs={"grace_s": 30}, daemon=True).start()
         return proc

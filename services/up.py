@@ -1,14 +1,22 @@
 """`rlfabric up`: the whole system on one machine, every service its own process on loopback.
 
-    1. prepare   the run directory, the run spec (the built-in demo when no file is given)
+    1. prepare   the run directory, the run spec (the built-in demo when no file is given), the run's
+                 credentials (RUN_DIR/credentials.json, mode 0600; see `up_credentials`) and up.json (what
+                 `--resume` needs)
     2. start     redis-server (AOF in the run directory) unless --redis-url; then the reward service, the
                  rollout replicas and the learner at once (a compiling vLLM replica takes longest), the
-                 coordinator once the reward service listens; the run waits for every ready line
-    3. submit    the run to the coordinator's REST API
-    4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it
-    5. stop      every process by PID (SIGTERM, then SIGKILL past the grace), print the summary, plot
+                 coordinator once the reward service listens; the run waits for every ready line. Each
+                 process runs under `rlfabric.common.guard` on a port chosen here, so a restart reuses it
+    3. submit    the run to the coordinator's REST API, with the run's API token
+    4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
+                 service that dies is restarted with backoff (`supervisor`), a coordinator that does not
+                 answer is waited for
+    5. stop      every process (SIGTERM, then SIGKILL of its process group past the grace), print the
+                 summary, plot
 
-The exit code is 0 only when the run completed.
+`up --resume RUN_DIR` repeats 2-5 for the run of an earlier `up` in RUN_DIR (stopped, or left running by a
+crash): same options, run id, Redis data and credentials. The exit code is 0 only when the run completed;
+nothing `up` started outlives it, even when it is killed (the guards see to that).
 """
 
 from __future__ import annotations
@@ -28,12 +36,29 @@ import yaml
 
 from rlfabric.common.procs import ServiceProcess
 from rlfabric.scaler import LocalScaler, ScalePolicy
+from rlfabric.supervisor import Supervisor
+from rlfabric.up_credentials import Credentials, CredentialsError, for_run
 
-FINAL_STATES = ("completed", "failed", "stopped")
+STATE_FILE = "up.json"
+"""In the run directory: the options and run spec of the `up` that created it, read by `--resume`."""
+RESTART_EVENT = "learner_restart"
+"""The `event` of the metrics row a learner writes when it resumes from a checkpoint."""
+SAVED_OPTIONS = (
+    "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
+    "learner_ranks", "redis_url", "engine", "compile", "replica_cores",
+)  # fmt: skip
+"""The options `--resume` takes over from the first `up` of a run directory."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_file", nargs="?", help="run file (TOML/YAML/JSON); default: the built-in demo")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue the run of an earlier `up` in RUN_DIR (stopped or crashed) with its options, Redis "
+        "data and credentials; takes no run file and no other option but --no-progress",
+    )
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--run-dir", type=Path, help="where everything is written (default runs/<time>)")
     parser.add_argument("--replicas", type=int, default=1, help="rollout replicas at start (default 1)")
@@ -92,6 +117,7 @@ def replica_cores(text: str) -> list[str]:
 
 
 def free_port() -> int:
+    """A port free now on loopback: chosen up front, so that a restarted service binds the same one."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -112,15 +138,23 @@ class Starting:
 
 
 class Stack:
-    """The processes of one `up`, stopped in reverse start order."""
+    """The processes of one `up`, each under a guard, stopped in reverse start order."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, credentials: Credentials | None = None) -> None:
         self.run_dir = run_dir
+        self.credentials = credentials
         self.procs: list[ServiceProcess] = []
 
-    def process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        """A new, not yet started process of this stack (stopped with the rest at the end)."""
-        proc = ServiceProcess(name, argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env)
+    def process(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, *, service: str | None = None
+    ) -> ServiceProcess:
+        """A new, not yet started process of this stack (stopped with the rest at the end). `service`
+        ("reward", "rollout", ...) adds that service's tokens to its environment."""
+        env = dict(os.environ if env is None else env)
+        if service is not None and self.credentials is not None:
+            env.update(self.credentials.env(service))
+        log = self.run_dir / "logs" / f"{name}.log"
+        proc = ServiceProcess(name, argv, log_path=log, env=env, guarded=True)
         self.procs.append(proc)
         return proc
 
@@ -137,19 +171,11 @@ class Stack:
             starting.ready, timeout_s=max(starting.deadline - time.monotonic(), 0.01)
         )
         took = time.monotonic() - starting.launched
-        print(f"  {starting.proc.name} ready (pid {starting.proc.pid}, {took:.0f} s)", flush=True)
+        print(f"  {starting.proc.name} ready (pid {starting.proc.service_pid}, {took:.0f} s)", flush=True)
         return match.group(1) if match.groups() else ""
 
-    def start(
-        self,
-        name: str,
-        argv: list[str],
-        ready: str,
-        *,
-        env: dict[str, str] | None = None,
-        timeout_s: float = 300,
-    ) -> str:
-        return self.wait(self.launch(self.process(name, argv, env), ready, timeout_s=timeout_s))
+    def start(self, proc: ServiceProcess, ready: str, *, timeout_s: float = 300) -> str:
+        return self.wait(self.launch(proc, ready, timeout_s=timeout_s))
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -188,6 +214,25 @@ def load_spec(args: argparse.Namespace, run_dir: Path) -> Any:
     return spec.model_copy(update=updates)
 
 
+def save_state(run_dir: Path, args: argparse.Namespace, spec: Any) -> None:
+    """RUN_DIR/up.json: the options and the run spec `--resume` starts from."""
+    options = {name: getattr(args, name) for name in SAVED_OPTIONS}
+    if options["run_file"]:
+        options["run_file"] = str(Path(options["run_file"]).resolve())
+    state = {"options": options, "spec": json.loads(spec.model_dump_json())}
+    (run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+
+def load_state(run_dir: Path, args: argparse.Namespace) -> tuple[argparse.Namespace, Any]:
+    """The options (this call's --no-progress kept) and run spec of the `up` that created RUN_DIR;
+    FileNotFoundError when it holds no up.json."""
+    from rlfabric.common.runspec import RunSpec
+
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    options = argparse.Namespace(**{**vars(args), **state["options"]})
+    return options, RunSpec.model_validate(state["spec"])
+
+
 def start_redis(stack: Stack, args: argparse.Namespace) -> str:
     if args.redis_url:
         return str(args.redis_url)
@@ -195,33 +240,84 @@ def start_redis(stack: Stack, args: argparse.Namespace) -> str:
     data.mkdir(parents=True, exist_ok=True)
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
     argv += ["--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", ""]
-    stack.start("redis", argv, r"Ready to accept connections()")
+    stack.start(stack.process("redis", argv), REDIS_READY)
     return f"redis://127.0.0.1:{port}/0"
 
 
+REDIS_READY = r"Ready to accept connections()"
 REPLICA_READY = r"serving version (\d+)"
+REWARD_READY = r"listening on (\S+)"
+LEARNER_READY = r"listening on (\S+)"
+COORDINATOR_READY = r"listening on (http://\S+)"
+
+
+@dataclass
+class Services:
+    """What `start_services` started: the coordinator's URL and the processes to supervise."""
+
+    url: str
+    supervised: list[tuple[ServiceProcess, str]]
+    """(process, ready pattern) of every service process started."""
+    learner: ServiceProcess
+    scaler: LocalScaler | None
 
 
 def start_services(
     stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, policy: ScalePolicy | None
-) -> tuple[str, LocalScaler | None]:
-    """Starts reward, rollout, learner and coordinator; returns the coordinator's URL and the replica
-    scaler (None without --max-replicas)."""
-    reward_argv = cli("serve", "reward", "--port", "0", "--set", "workers=1")
-    reward = stack.launch(stack.process("reward", reward_argv), r"listening on (\S+)")
+) -> Services:
+    """Starts reward, rollout, learner and coordinator, each on a port chosen here."""
+    reward = stack.launch(reward_process(stack, args), REWARD_READY)
+    replicas = [replica_process(stack, args, spec, redis_url, i) for i in range(args.replicas)]
+    starting = [stack.launch(proc, REPLICA_READY) for proc in replicas]
+    learner = stack.launch(learner_process(stack, args, spec, redis_url), LEARNER_READY)
+    reward_address = stack.wait(reward)
+    coordinator = coordinator_process(stack, args, redis_url, reward_address)
+    url = stack.start(coordinator, COORDINATOR_READY)
+    for pending in (learner, *starting):
+        stack.wait(pending)
+    supervised = [
+        (reward.proc, REWARD_READY),
+        (coordinator, COORDINATOR_READY),
+        (learner.proc, LEARNER_READY),
+    ]
+    supervised += [(proc, REPLICA_READY) for proc in replicas]
 
     def replica(i: int) -> ServiceProcess:
         return replica_process(stack, args, spec, redis_url, i)
 
-    replicas = [replica(i) for i in range(args.replicas)]
-    starting = [stack.launch(proc, REPLICA_READY) for proc in replicas]
-    learner = launch_learner(stack, args, spec, redis_url)
-    coordinator = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={redis_url}")
-    coordinator += ["--set", f"reward_address={stack.wait(reward)}"]
-    url = stack.start("coordinator", coordinator, r"listening on (http://\S+)")
-    for pending in (learner, *starting):
-        stack.wait(pending)
-    return url, LocalScaler(policy, replica, REPLICA_READY, replicas) if policy else None
+    scaler = LocalScaler(policy, replica, REPLICA_READY, replicas) if policy else None
+    return Services(url, supervised, learner.proc, scaler)
+
+
+def reward_process(stack: Stack, args: argparse.Namespace) -> ServiceProcess:
+    """The reward service: user functions only from the run file's directory (the demo's own one)."""
+    allowed = [str(Path(args.run_file).resolve().parent)] if args.run_file else [DEMO_FUNCTION]
+    argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
+    argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
+    return stack.process("reward", argv, service="reward")
+
+
+DEMO_FUNCTION = "rlfabric.coordinator.demo:letter_reward"
+"""The built-in demo's reward function, the one the reward service allows when there is no run file."""
+
+
+def coordinator_process(
+    stack: Stack, args: argparse.Namespace, redis_url: str, reward_address: str
+) -> ServiceProcess:
+    """The coordinator: datasets and models confined to `up`'s working directory, the run file's folder
+    and the run directory."""
+    argv = cli("serve", "coordinator", "--port", str(free_port()), "--set", f"redis.url={redis_url}")
+    argv += ["--set", f"reward_address={reward_address}"]
+    roots = json.dumps(allowed_roots(args, stack.run_dir))
+    argv += ["--set", f"data_roots={roots}", "--set", f"model_roots={roots}"]
+    return stack.process("coordinator", argv, service="coordinator")
+
+
+def allowed_roots(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """Where a run's dataset and model may lie: the working directory, the run file's folder, the run
+    directory (the demo's model and prompts)."""
+    roots = [Path.cwd(), run_dir, *([Path(args.run_file).resolve().parent] if args.run_file else [])]
+    return list(dict.fromkeys(str(root.resolve()) for root in roots))
 
 
 def scale_policy(args: argparse.Namespace) -> ScalePolicy | None:
@@ -245,7 +341,8 @@ def replica_process(
 ) -> ServiceProcess:
     """Rollout replica `i` of the run (not started)."""
     weights = str(Path(spec.output_dir) / spec.name / "weights")
-    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", "0", "--engine", args.engine)
+    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", str(free_port()))
+    argv += ["--engine", args.engine]
     settings = [
         f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id=rollout-{i}",
         f"engine.max_model_len={spec.model.max_model_len}", f"engine.dtype={spec.model.dtype}",
@@ -257,14 +354,14 @@ def replica_process(
     env = vllm_env(compile_=args.compile)
     if args.replica_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.replica_cores[i % len(args.replica_cores)]
-    return stack.process(f"rollout-{i}", argv, env)
+    return stack.process(f"rollout-{i}", argv, env, service="rollout")
 
 
-def launch_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> Starting:
+def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> ServiceProcess:
     config = {
         "run_id": spec.name,
         "redis": {"url": redis_url},
-        "server": {"port": 0},
+        "server": {"port": free_port()},
         "log": {"format": "text"},
         "run": json.loads(spec.model_dump_json()),
     }
@@ -277,69 +374,29 @@ def launch_learner(stack: Stack, args: argparse.Namespace, spec: Any, redis_url:
     else:
         argv = cli("serve", "learner", "--config", str(path))
     env = {"OMP_NUM_THREADS": "1", **os.environ}  # one torch thread unless the caller chooses
-    return stack.launch(stack.process("learner", argv, env), r"listening on (\S+)")
+    return stack.process("learner", argv, env, service="learner")
 
 
-def submit(url: str, spec: Any) -> str:
-    import httpx
-
-    response = httpx.post(f"{url}/v1/runs", json=json.loads(spec.model_dump_json()), timeout=30)
-    response.raise_for_status()
-    return str(response.json()["run_id"])
+def restart_steps(rows: list[dict[str, Any]]) -> list[int]:
+    """The steps of the learner-restart markers among the metrics rows."""
+    return [int(r["step"]) for r in rows if r.get("event") == RESTART_EVENT]
 
 
-def watch(
-    url: str, run_id: str, steps: int, *, progress: bool, scaler: LocalScaler | None = None
-) -> dict[str, Any]:
-    """Polls the run until it ends (scaling the replicas by its signal when there is a scaler); Ctrl-C
-    asks the coordinator to stop it and keeps watching."""
-    import httpx
-    from tqdm import tqdm
-
-    bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
-    bar.last_step = 0
-    status: dict[str, Any] = {}
-    while status.get("state") not in FINAL_STATES:
-        try:
-            time.sleep(1.0)
-            status = httpx.get(f"{url}/v1/runs/{run_id}", timeout=10).json()
-        except KeyboardInterrupt:
-            print("\nstopping the run ...", flush=True)
-            httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=10)
-            continue
-        show_progress(bar, status, progress=progress)
-        if scaler is not None:
-            follow_signal(scaler, status, bar)
-    bar.close()
-    return status
-
-
-def follow_signal(scaler: LocalScaler, status: dict[str, Any], bar: Any) -> None:
-    """One reading of the run's desired replica count for the local scaler."""
-    desired = (status.get("scaling") or {}).get("desired_replicas")
-    event = scaler.observe(None if desired is None else int(desired), time.monotonic())
-    if event is not None:
-        verb = "adding" if event.action == "out" else "removing"
-        wanted = f"{event.running_before} running, {event.desired} wanted"
-        bar.write(f"autoscale: {verb} {event.replica} ({wanted})")
-
-
-def show_progress(bar: Any, status: dict[str, Any], *, progress: bool) -> None:
-    """Advances the bar to the run's step; without a bar, prints one line per new step."""
-    metrics = status.get("latest_metrics") or {}
-    step = int(status.get("step") or 0)
-    fields = {k: metrics.get(k) for k in ("reward_mean", "eval_reward_mean", "kl", "tokens_per_s")}
-    shown = {k: f"{v:.3g}" for k, v in fields.items() if isinstance(v, int | float)}
-    if step > bar.last_step:
-        bar.last_step = step
-        bar.update(step - bar.n)
-        if not progress:
-            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
-    bar.set_postfix(shown, refresh=True)
+def segments(rows: list[dict[str, Any]], name: str) -> list[list[tuple[int, float]]]:
+    """The (step, value) points of metric `name`, split at each learner-restart marker: a curve is never
+    joined across a restart (the steps after it repeat those rolled back)."""
+    parts: list[list[tuple[int, float]]] = [[]]
+    for row in rows:
+        if row.get("event") == RESTART_EVENT:
+            parts.append([])
+        elif isinstance(row.get(name), int | float) and "step" in row:
+            parts[-1].append((int(row["step"]), float(row[name])))
+    return [part for part in parts if part]
 
 
 def plot(metrics_path: Path, out: Path) -> Path | None:
-    """A PNG of the run's curves, if matplotlib is installed."""
+    """A PNG of the run's curves, if matplotlib is installed; a dotted vertical line marks each learner
+    restart, and no curve is joined across one."""
     try:
         import matplotlib
 
@@ -353,34 +410,16 @@ def plot(metrics_path: Path, out: Path) -> Path | None:
     names = ["reward_mean", "eval_reward_mean", "kl", "entropy", "response_length_mean", "tokens_per_s"]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     for ax, name in zip(axes.flat, names, strict=True):
-        points = [(r["step"], r[name]) for r in rows if name in r]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker=".")
+        for part in segments(rows, name):
+            ax.plot(*zip(*part, strict=True), marker=".", color="tab:blue")
+        for step in restart_steps(rows):
+            ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out)
+    plt.close(fig)
     return out
-
-
-def summarize(status: dict[str, Any], run_dir: Path, run_id: str, scaler: LocalScaler | None) -> None:
-    run_path = run_dir / run_id
-    png = plot(run_path / "metrics.jsonl", run_path / "curves.png")
-    print(f"\nrun {run_id}: {status.get('state')} at step {status.get('step')}")
-    for key in ("error", "stop_reason", "last_good_checkpoint"):
-        if status.get(key) is not None:
-            print(f"  {key.replace('_', ' ')}: {status[key]}")
-    for warning in status.get("warnings") or []:
-        print(f"  warning: {warning}")
-    if scaler is not None:
-        outs = sum(e.action == "out" for e in scaler.events)
-        ins = len(scaler.events) - outs
-        print(f"  autoscaling: {outs} added, {ins} removed, {scaler.failed_starts} failed to start")
-    for name, value in sorted((status.get("counters") or {}).items()):
-        print(f"  {name}: {value}")
-    print(f"  run directory: {run_path} (metrics.jsonl, checkpoints/, weights/, logs in {run_dir / 'logs'})")
-    if png:
-        print(f"  curves: {png}")
 
 
 def interrupt(signum: int, frame: Any) -> None:
@@ -388,26 +427,97 @@ def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run(args: argparse.Namespace) -> int:
+class RunRefused(RuntimeError):
+    """The coordinator answered the submission with an error; the message has its answer."""
+
+
+@dataclass
+class Plan:
+    """What one `up` runs: where, with which options and spec, and whether it resumes."""
+
+    run_dir: Path
+    args: argparse.Namespace
+    spec: Any
+    resume: bool
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """The run directory, options and spec; ValueError (the message for the user) for bad options."""
+    if args.resume is not None:
+        if args.run_file or args.run_dir:
+            raise ValueError("--resume takes neither a run file nor --run-dir: it reuses those of the run")
+        run_dir = args.resume.resolve()
+        if not (run_dir / STATE_FILE).exists():
+            raise ValueError(f"{run_dir} holds no {STATE_FILE}: not the run directory of an `rlfabric up`")
+        options, spec = load_state(run_dir, args)
+        scale_policy(options)
+        return Plan(run_dir, options, spec, resume=True)
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if (run_dir / STATE_FILE).exists():
+        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}")
+    scale_policy(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"rlfabric up: run directory {run_dir}", flush=True)
+    spec = load_spec(args, run_dir)
+    save_state(run_dir, args, spec)
+    return Plan(run_dir, args, spec, resume=False)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        policy = scale_policy(args)
-    except ValueError as exc:
+        chosen = plan(args)
+        credentials = for_run(chosen.run_dir, resume=chosen.resume)
+    except (ValueError, CredentialsError) as exc:
         print(f"rlfabric up: {exc}", file=sys.stderr)
         return 2
-    spec = load_spec(args, run_dir)
-    stack = Stack(run_dir)
+    print(f"rlfabric up: run directory {chosen.run_dir}", flush=True)
     signal.signal(signal.SIGTERM, interrupt)
-    scaler = None
+    return bring_up(chosen, Stack(chosen.run_dir, credentials), Supervisor())
+
+
+def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
+    """Steps 2-5 of the module docstring; the exit code."""
+    from rlfabric.up_watch import Api, prepare_resume, summarize, watch
+
+    options, spec = chosen.args, chosen.spec
+    services = None
     try:
-        redis_url = start_redis(stack, args)
-        url, scaler = start_services(stack, args, spec, redis_url, policy)
-        run_id = submit(url, spec)
-        print(f"run {run_id} submitted; page: {url}/runs/{run_id}", flush=True)
-        status = watch(url, run_id, spec.train.steps, progress=not args.no_progress, scaler=scaler)
+        redis_url = start_redis(stack, options)
+        action = prepare_resume(redis_url, spec.name) if chosen.resume else "submit"
+        if action == "done":
+            return 0
+        services = start_services(stack, options, spec, redis_url, scale_policy(options))
+        for proc, ready in services.supervised:
+            supervisor.watch(proc, ready, restart_clean_exit=proc is not services.learner)
+        if services.scaler is not None:
+            services.scaler.supervisor = supervisor
+        api = Api(services.url, stack.credentials.api if stack.credentials else "")
+        try:
+            announce(api, spec, chosen.run_dir, submit=action == "submit")
+        except RunRefused as exc:
+            print(f"rlfabric up: {exc}", file=sys.stderr)
+            return 2
+        status = watch(api, spec.name, spec.train.steps, progress=not options.no_progress,
+                       supervisor=supervisor, scaler=services.scaler)  # fmt: skip
     finally:
+        supervisor.close()
         stack.stop()
-    summarize(status, run_dir, spec.name, scaler)
+    summarize(status, chosen.run_dir, spec.name, services.scaler, supervisor)
     return 0 if status.get("state") == "completed" else 1
+
+
+def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool) -> None:
+    """Submits the run unless the coordinator resumes it; prints the API token once, with the
+    submission (a resumed run points at the credentials file instead)."""
+    credentials = run_dir / "credentials.json"
+    if not submit:
+        print(f"run {spec.name} resumed; page: {api.url}/runs/{spec.name} (token: {credentials})", flush=True)
+        return
+    import httpx
+
+    try:
+        run_id = api.submit(spec)
+    except httpx.HTTPStatusError as exc:
+        answer = f"({exc.response.status_code}): {exc.response.text}"
+        raise RunRefused(f"the coordinator refused the run {answer}") from exc
+    print(f"run {run_id} submitted; page: {api.url}/runs/{run_id}", flush=True)
+    print(f"API token (also in {credentials}, mode 0600): {api.token}", flush=True)

@@ -1,15 +1,19 @@
-"""`rlfabric up`'s flags that shape the processes it starts (no process is started here)."""
+"""`rlfabric up`'s flags that shape the processes it starts, its tokens, `--resume`'s plan and the plot's
+restart markers (no service is started here)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from rlfabric import up
+from rlfabric.up_credentials import Credentials
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -84,3 +88,61 @@ while not pathlib.Path(sys.argv[1]).exists():
 print("ready 1", flush=True)
 time.sleep(60)
 """
+
+
+def test_each_service_process_gets_its_own_tokens_only(tmp_path: Path) -> None:
+    credentials = Credentials.generate()
+    stack = up.Stack(tmp_path, credentials)
+    reward = up.reward_process(stack, parse())
+    assert reward.env["RLFABRIC_REWARD__TOKEN"] == credentials.reward
+    assert credentials.api not in reward.env.values() and credentials.weights not in reward.env.values()
+    assert reward.guarded
+
+
+def test_the_reward_service_allows_the_run_files_directory(tmp_path: Path) -> None:
+    run_file = tmp_path / "runs" / "r.yaml"
+    argv = up.reward_process(up.Stack(tmp_path), parse(str(run_file))).argv
+    assert f"allowed_functions={json.dumps([str(run_file.parent)])}" in argv
+    demo = up.reward_process(up.Stack(tmp_path), parse()).argv
+    assert f"allowed_functions={json.dumps([up.DEMO_FUNCTION])}" in demo
+
+
+def test_a_used_run_directory_needs_resume(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump({"name": "r", "model": {"path": "m"}, "dataset": {"path": "d.jsonl"}}))
+    first = up.plan(
+        parse(str(run_file), "--run-dir", str(tmp_path / "d"), "--steps", "7", "--engine", "transformers")
+    )
+    assert not first.resume and (tmp_path / "d" / up.STATE_FILE).exists()
+    with pytest.raises(ValueError, match="--resume"):
+        up.plan(parse(str(run_file), "--run-dir", str(tmp_path / "d")))
+    with pytest.raises(ValueError, match="neither a run file"):
+        up.plan(parse(str(run_file), "--resume", str(tmp_path / "d")))
+    resumed = up.plan(parse("--resume", str(tmp_path / "d"), "--no-progress"))
+    assert resumed.resume and resumed.spec == first.spec and resumed.spec.train.steps == 7
+    assert resumed.args.engine == "transformers" and resumed.args.no_progress
+    with pytest.raises(ValueError, match=r"holds no up\.json"):
+        up.plan(parse("--resume", str(tmp_path)))
+
+
+RESTARTED = [
+    {"step": 1, "reward_mean": 0.1},
+    {"step": 2, "reward_mean": 0.2},
+    {"step": 3, "reward_mean": 0.3},
+    {"step": 2, "event": "learner_restart", "restored_step": 2, "policy_version": 2, "time": 0.0},
+    {"step": 3, "reward_mean": 0.35},
+]
+
+
+def test_curves_are_not_joined_across_a_learner_restart() -> None:
+    assert up.restart_steps(RESTARTED) == [2]
+    assert up.segments(RESTARTED, "reward_mean") == [[(1, 0.1), (2, 0.2), (3, 0.3)], [(3, 0.35)]]
+    assert up.segments(RESTARTED, "kl") == []
+
+
+def test_the_plot_marks_a_learner_restart(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in RESTARTED))
+    assert up.plot(metrics, tmp_path / "curves.png") == tmp_path / "curves.png"
+    assert (tmp_path / "curves.png").stat().st_size > 0
