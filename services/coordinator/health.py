@@ -10,6 +10,14 @@ string when the series shows a known failure pattern of RL post-training:
 - response length runaway or collapse: completions grow towards the limit or shrink to nothing.
 
 Recent values are means over the last `window` rows, so that one noisy step does not warn.
+
+Two liveness checks look at the running system instead of the series (`liveness.py` gathers their inputs
+from Redis when a run's status is read, so they warn within `LEARNER_STALL_S` plus the registry's TTL):
+
+- the learner stopped consuming: groups wait in the stream, yet no step came and no learner read the
+  stream for `LEARNER_STALL_S` (a dead or hung learner);
+- no replica serves: no rollout replica of the run is registered (each one's entry expires three missed
+  heartbeats after it stops).
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ from rlfabric.common.runspec import HealthThresholds as HealthThresholds
 Row = dict[str, Any]
 HEALTH_ROWS = 500
 """Metrics rows (the most recent) the health checks look at."""
+LEARNER_STALL_S = 25.0
+"""Seconds without a step and without a learner read of the stream, while groups wait, after which the
+learner counts as stopped (below 30 s, so that a status read warns within 30 s of the stop). A learner
+step that takes longer than this on a big model also warns, until the step ends."""
 
 
 @dataclass(frozen=True)
@@ -174,3 +186,27 @@ def last_good_checkpoint(rows: Sequence[Row], since_step: int, keep: int) -> int
     steps = sorted({int(p[1]) for p in series(rows, "checkpoint_step")})[-keep:]
     good = [step for step in steps if step < since_step]
     return good[-1] if good else None
+
+
+def check_learner_stalled(
+    waiting_groups: int, since_step_s: float | None, learner_idle_s: float | None, run_age_s: float
+) -> str | None:
+    """The learner stopped consuming: `waiting_groups` > 0 groups wait in the stream, the last step is
+    `since_step_s` old (None: no step yet, the run's age counts) and the learner's last read of the stream
+    `learner_idle_s` (None: no learner ever read it), both at least `LEARNER_STALL_S`."""
+    quiet_s = run_age_s if since_step_s is None else since_step_s
+    idle_s = run_age_s if learner_idle_s is None else learner_idle_s
+    if waiting_groups <= 0 or min(quiet_s, idle_s) < LEARNER_STALL_S:
+        return None
+    step = "no learner step yet" if since_step_s is None else f"no learner step for {since_step_s:.0f} s"
+    return (
+        f"learner stopped consuming: {step} and no read of the stream for {idle_s:.0f} s while "
+        f"{waiting_groups} group(s) wait (is the learner running?)"
+    )
+
+
+def check_no_replica(registered: int) -> str | None:
+    """No rollout replica is registered for the run, so nothing generates."""
+    if registered > 0:
+        return None
+    return "no rollout replica serves the run: none is registered (none sent a heartbeat lately)"

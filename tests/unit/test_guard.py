@@ -116,7 +116,10 @@ def test_nothing_outlives_a_killed_parent(tmp_path: Path, sig: signal.Signals) -
 def test_a_guarded_process_can_be_launched_again(tmp_path: Path) -> None:
     """A restart: the same object, a new process, the log continued."""
     proc = ServiceProcess(
-        "once", [sys.executable, "-c", "print('hello', flush=True)"], log_path=tmp_path / "o.log", guarded=True
+        "once",
+        [sys.executable, "-c", "print('hello', flush=True)"],
+        log_path=tmp_path / "o.log",
+        guarded=True,
     )
     proc.start(r"hello", timeout_s=30)
     assert proc.stop(grace_s=10) == 0
