@@ -331,6 +331,23 @@ class RunStore:
 
         return await self._update(run_id, change)
 
+    async def reopen(self, run_id: str) -> RunRecord:
+        """Makes a stopped or failed run pending again, so that a (re)starting coordinator resumes it:
+        `rlfabric up --resume`, the one way out of those final states. Clears the stop request, its
+        reason, the error and the learner's stop flag (`rlfabric:{run}:stop_requested`); the run keeps
+        its counters, metrics, dataset position and stream. InvalidTransition for a completed run."""
+
+        def change(record: RunRecord) -> dict[str, str]:
+            if record.state == "completed":
+                raise InvalidTransition(f"run {run_id!r} has completed; there is nothing to resume")
+            if not record.finished:
+                return {}
+            return {"state": "pending", "error": "", "stop_requested": "0", "stop_reason": ""}
+
+        record = await self._update(run_id, change)
+        await self.redis.delete(f"rlfabric:{run_id}:stop_requested")
+        return record
+
     async def stop_requested(self, run_id: str) -> bool:
         """True once `request_stop` was called for the run."""
         value = await self.redis.hget(run_key(run_id), "stop_requested")  # type: ignore[misc]
