@@ -166,7 +166,9 @@ async def trim_acknowledged(redis: aioredis.Redis, run_id: str, *, batch: int = 
     `entry_summary` in `trimmed_key` in the same MULTI; returns how many were removed."""
     key = groups_key(run_id)
     floor = await trim_floor(redis, run_id)
-    entries = await redis.xrange(key, min="-", max="(" + floor, count=batch)
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(  # type: ignore[assignment]
+        key, min="-", max="(" + floor, count=batch
+    )
     if not entries:
         return 0
     last = parse_id(entries[-1][0])

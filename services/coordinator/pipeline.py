@@ -23,6 +23,7 @@ prompt is enqueued once, dropped with a reason, or still in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -37,11 +38,12 @@ from rlfabric.common.runspec import RunSpec
 from rlfabric.common.streams import (
     ensure_consumer_group,
     groups_key,
+    trim_acknowledged,
     undelivered,
 )
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
 from rlfabric.coordinator.replicas import ReplicaPool
-from rlfabric.coordinator.runs import scaling_key
+from rlfabric.coordinator.runs import RunNotFound, RunStore, scaling_key
 from rlfabric.coordinator.scaling import (
     BusyMeter,
     ScalingConfig,
@@ -57,6 +59,19 @@ from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 log = logging.getLogger(__name__)
 
 GENERATE_TIMEOUT_S = 600.0
+
+SCORE_RETRY_FIRST_S = 0.5
+"""After a failed Score call a held group waits this long before scoring again; the wait doubles each time."""
+SCORE_RETRY_MAX_S = 10.0
+"""Longest wait between two Score attempts of a held group."""
+TRIM_INTERVAL_S = 5.0
+"""How often acknowledged entries are trimmed from the groups stream."""
+INVALID_PROMPT_FIELD = "prompts["
+"""How a replica's INVALID_ARGUMENT names a prompt it refuses (`prompts[0]: ... exceed the context`)."""
+DROP_INVALID_PROMPT = "invalid_prompt"
+"""Drop reason (ledger outcome `dropped:invalid_prompt`, counter `dropped_invalid_prompt`)."""
+REWARD_WARNING = "reward service unreachable"
+"""Start of the run-status warning shown while Score calls fail."""
 
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
 # between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
@@ -135,6 +150,18 @@ class ReplicaFailed(RuntimeError):
     """Generation failed on one replica (it died, was refused, timed out): re-dispatch the group."""
 
 
+class InvalidPrompt(ValueError):
+    """The replica refused the prompt itself (too long for the context, empty): drop the group, never
+    retry it and never blame the replica."""
+
+
+def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
+    """INVALID_ARGUMENT naming a prompt (`prompts[i]...`, the replica's field-naming convention); other
+    INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
+
+
 def prompt_to_proto(prompt: str | list[dict[str, str]], chat_template: bool) -> common_pb2.Prompt:
     if isinstance(prompt, list):
         messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
@@ -186,6 +213,9 @@ class RunPipeline:
         self.drop_once = redis.register_script(DROP_ONCE)
         self.draw_at = redis.register_script(DRAW_AT)
         self.rows: dict[str, PromptRow] = {}
+        self.store = RunStore(redis)
+        self.reward_warning: str | None = None
+        self.warning_lock = asyncio.Lock()
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -214,6 +244,7 @@ class RunPipeline:
             loop.create_task(self.replicas.watch()),
             loop.create_task(self.evaluate_periodically(held_out)),
             loop.create_task(self.export_scaling_periodically()),
+            loop.create_task(self.trim_periodically()),
         ]
         try:
             return await self.dispatch_loop(cursor, stop)
@@ -306,18 +337,27 @@ class RunPipeline:
     # --- one group --------------------------------------------------------------------------------
 
     async def process(self, item: InFlight) -> None:
-        try:
-            with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
-                await self.process_once(item)
-        except Exception:
-            log.exception("group %s failed; it stays in flight and is re-dispatched", item.group_id)
-            await asyncio.sleep(1.0)
-            self.in_flight[item.group_id] = asyncio.get_running_loop().create_task(self.process(item))
-            return
+        """Takes one group to its outcome. Its samples, once generated, are held across failures of the
+        later phases (scoring, enqueueing), which are retried: a group is generated again only when its
+        replica fails mid-generation."""
+        row = self.rows[item.prompt_id]
+        samples: list[rollout_pb2.GeneratedSample] | None = None
+        while True:
+            try:
+                with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
+                    if samples is None:
+                        samples = await self.generate_group(item, row)
+                    if samples:
+                        await self.finish_group(item, row, samples, await self.score_held(row, samples))
+                break
+            except Exception:
+                log.exception("group %s failed; it stays in flight and is retried", item.group_id)
+                await asyncio.sleep(1.0)
         self.in_flight.pop(item.group_id, None)
 
-    async def process_once(self, item: InFlight) -> None:
-        row = self.rows[item.prompt_id]
+    async def generate_group(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        """The group's samples, re-dispatched while replicas fail; [] when the prompt was dropped as
+        invalid (recorded with the reason `invalid_prompt`)."""
         while True:
             try:
                 samples = await self.generate(item, row)
@@ -326,11 +366,16 @@ class RunPipeline:
                 item.attempts += 1
                 await self.count("redispatches")
                 log.warning("re-dispatching %s: %s", item.group_id, exc)
+            except InvalidPrompt as exc:
+                log.warning("dropping %s: the replica refused its prompt: %s", item.group_id, exc)
+                await self.drop(item, DROP_INVALID_PROMPT, str(exc)[:500])
+                return []
         await self.count("samples_generated", len(samples))
-        scores = await self.score(row, samples)
-        await self.finish_group(item, row, samples, scores)
+        return samples
 
     async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        """One Generate call on the least-loaded replica. ReplicaFailed when the replica failed (it is
+        excluded for a while), InvalidPrompt when it refused the prompt itself (not the replica's fault)."""
         latest = int(await self.redis.get(self.keys.version) or 0)  # the learner's announced version
         address = await self.replicas.acquire()
         request = rollout_pb2.GenerateRequest(
@@ -351,6 +396,9 @@ class RunPipeline:
             ]
             failed = False
         except grpc.aio.AioRpcError as exc:
+            if is_invalid_prompt(exc):
+                failed = False
+                raise InvalidPrompt(f"{address}: {exc.details()}") from exc
             raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             await self.replicas.release(address, failed=failed)
@@ -365,6 +413,42 @@ class RunPipeline:
         return await self.reward.score(
             items, self.reward_spec, item_timeout_s=self.spec.reward.item_timeout_s
         )
+
+    async def score_held(
+        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]
+    ) -> list[ItemResult]:
+        """Scores held samples, retrying with exponential backoff while the Score call fails (each retry
+        counted in `score_retries`); the run status carries a warning from the first failure until a call
+        succeeds again. A scorer's own failure is not a call failure: it comes back as an item status."""
+        delay = SCORE_RETRY_FIRST_S
+        while True:
+            try:
+                scores = await self.score(row, samples)
+            except grpc.aio.AioRpcError as exc:
+                await self.reward_outage(exc)
+                await self.count("score_retries")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, SCORE_RETRY_MAX_S)
+                continue
+            await self.reward_outage(None)
+            return scores
+
+    async def reward_outage(self, error: grpc.aio.AioRpcError | None) -> None:
+        """Keeps the run's reward-outage warning in step with the last Score call (None: it succeeded).
+        A pipeline without a run record (driven directly, as in tests) has no status to warn in."""
+        warning = None
+        if error is not None:
+            warning = f"{REWARD_WARNING} ({error.code().name}); groups hold their samples"
+        if warning == self.reward_warning:
+            return
+        async with self.warning_lock:
+            previous, self.reward_warning = self.reward_warning, warning
+            with contextlib.suppress(RunNotFound):
+                if previous is not None:
+                    await self.store.remove_warning(self.run_id, previous)
+                if warning is not None and error is not None:
+                    log.warning("%s: %s", warning, error.details())
+                    await self.store.add_warning(self.run_id, warning)
 
     async def finish_group(
         self,
@@ -428,6 +512,24 @@ class RunPipeline:
         ):
             await asyncio.sleep(0.1)
 
+    async def trim_acknowledged(self) -> int:
+        """Trims every entry the learner has acknowledged (summaries kept for the ledger); counted in
+        `stream_trimmed`. The stream then holds only what is undelivered or pending."""
+        total = 0
+        while removed := await trim_acknowledged(self.redis, self.run_id):
+            total += removed
+            await self.count("stream_trimmed", removed)
+        return total
+
+    async def trim_periodically(self) -> None:
+        """Keeps the groups stream (and Redis memory) from growing with the run."""
+        while True:
+            await asyncio.sleep(TRIM_INTERVAL_S)
+            try:
+                await self.trim_acknowledged()
+            except Exception:  # tolerated: Redis restarting; the next interval trims what is left
+                log.warning("could not trim the groups stream", exc_info=True)
+
     # --- the autoscaling signal -------------------------------------------------------------------
 
     def scaling_signal(self) -> ScalingSignal:
@@ -486,7 +588,7 @@ class RunPipeline:
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
             samples = await self.generate(item, row)
-        except ReplicaFailed:
+            scores = await self.score(row, samples)
+        except (ReplicaFailed, InvalidPrompt, grpc.aio.AioRpcError):  # tolerated: an evaluation is skipped
             return [], []
-        scores = await self.score(row, samples)
         return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]

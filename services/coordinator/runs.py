@@ -52,6 +52,9 @@ COUNTERS = (
     "dropped_zero_variance",
     "scorer_errors",
     "redispatches",
+    "score_retries",
+    "dropped_invalid_prompt",
+    "stream_trimmed",
 )
 """The standard counter names; `counters()` reports each (0 when never incremented) plus any other."""
 
@@ -310,6 +313,16 @@ class RunStore:
             if warning in record.warnings:
                 return {}
             return {"warnings": json.dumps([*record.warnings, warning])}
+
+        return await self._update(run_id, change)
+
+    async def remove_warning(self, run_id: str, warning: str) -> RunRecord:
+        """Removes a warning that no longer holds (the reward service answers again); absent: a no-op."""
+
+        def change(record: RunRecord) -> dict[str, str]:
+            if warning not in record.warnings:
+                return {}
+            return {"warnings": json.dumps([w for w in record.warnings if w != warning])}
 
         return await self._update(run_id, change)
 
