@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from rlfabric.common.procs import ServiceProcess
 from rlfabric.common.runspec import RunSpec
+from rlfabric.common.streams import groups_key, trimmed_key
 from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.learner.queue import GroupConsumer
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -159,5 +160,6 @@ async def assert_books_balance(redis: aioredis.Redis) -> None:
     drops = await redis.xlen(f"rlfabric:{RUN}:dropped")
     in_flight = await redis.hlen(f"rlfabric:{RUN}:inflight")
     enqueued = await redis.scard(f"rlfabric:{RUN}:enqueued")
-    assert counters["groups_queued"] == enqueued == await redis.xlen(f"rlfabric:{RUN}:groups")
+    stream = await redis.xlen(groups_key(RUN)) + await redis.hlen(trimmed_key(RUN))  # trimmed: summaries
+    assert counters["groups_queued"] == enqueued == stream
     assert counters["prompts_dispatched"] == enqueued + drops + in_flight, (counters, drops, in_flight)
