@@ -3,7 +3,9 @@
 Each replica owns one hash, `rlfabric:{run}:replicas:{replica_id}`, refreshed by a heartbeat and given a
 TTL of `ttl_s`: a replica that dies without deregistering disappears when its entry expires, and one that
 scales out appears at its first beat, so the coordinator sees scale-out and scale-in without restarts.
-A replica deletes its entry on graceful shutdown. Replicas not bound to a run use the run id "_".
+A replica being removed (scale-in, SIGTERM) first marks its entry `draining`: it admits no new work and the
+coordinator sends it none, it finishes what it holds, then deletes its entry and exits. Replicas not bound
+to a run use the run id "_".
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def replica_key(run_id: str | None, replica_id: str) -> str:
 
 @dataclass(frozen=True)
 class ReplicaEntry:
-    """What a replica publishes about itself. `version` is meaningful only when `serving`."""
+    """What a replica publishes about itself. `version` is meaningful only when `serving`; a replica takes
+    new work only when `serving` and not `draining`."""
 
     replica_id: str
     address: str
@@ -35,6 +38,13 @@ class ReplicaEntry:
     capacity: int
     model: str
     engine: str
+    draining: bool = False
+    """Shutting down: finishing its admitted requests, admitting none (never dispatch to it)."""
+
+    @property
+    def takes_work(self) -> bool:
+        """Serving and not draining: the coordinator may dispatch to it."""
+        return self.serving and not self.draining
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(int(v)) if isinstance(v, bool) else str(v) for k, v in asdict(self).items()}
@@ -50,6 +60,7 @@ class ReplicaEntry:
             capacity=int(data["capacity"]),
             model=data["model"],
             engine=data["engine"],
+            draining=data.get("draining", "0") == "1",
         )
 
 

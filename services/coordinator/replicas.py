@@ -1,6 +1,8 @@
 """The serving rollout replicas of a run, as the pipeline sees them: discovered in the Redis registry,
 balanced client-side (least loaded first, at most `per_replica` groups each), a failed one excluded for
-a while. Every load change goes to the run's busy meter (the autoscaling signal)."""
+a while. Work goes only to replicas the registry lists as taking work: a draining replica (scale-in) or
+one gone from the registry gets nothing new while its groups in flight finish. Every load change goes to
+the run's busy meter (the autoscaling signal)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class ReplicaPool:
     def __init__(self, redis: Any, run_id: str, per_replica: int, meter: BusyMeter) -> None:
         self.redis, self.run_id, self.per_replica, self.meter = redis, run_id, per_replica, meter
         self.load: dict[str, int] = {}
+        """Groups in flight per replica, kept until they finish even after the replica left `live`."""
+        self.live: set[str] = set()
+        """Replicas the registry lists as taking work (serving, not draining): the only ones dispatched to."""
         self.excluded: dict[str, float] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.changed = asyncio.Condition()
@@ -37,8 +42,9 @@ class ReplicaPool:
 
     async def refresh(self) -> None:
         entries = await registry.discover(self.redis, self.run_id)
-        live = {e.address for e in entries if e.serving}
+        live = {e.address for e in entries if e.takes_work}
         async with self.changed:
+            self.live = live
             now = time.monotonic()
             for address in live - self.load.keys():
                 self.load[address] = 0
@@ -59,7 +65,11 @@ class ReplicaPool:
 
     def _best(self) -> str | None:
         now = time.monotonic()
-        ready = [a for a, n in self.load.items() if n < self.per_replica and self.excluded.get(a, 0) <= now]
+        ready = [
+            a
+            for a, n in self.load.items()
+            if a in self.live and n < self.per_replica and self.excluded.get(a, 0) <= now
+        ]
         return min(ready, key=lambda a: self.load[a]) if ready else None
 
     async def acquire(self) -> str:

@@ -71,6 +71,10 @@ class RolloutServiceConfig(StrictModel):
     `insecure`."""
     update_timeout_s: float = Field(default=120.0, gt=0)
     """Default limit on a whole weight update."""
+    drain_timeout_s: float = Field(default=20.0, ge=0)
+    """On SIGTERM (scale-in) the replica stops taking work, marks itself draining in the registry and lets
+    its admitted requests finish for up to this long before the server stops (then `server.grace_period_s`
+    more before the rest is cancelled): whoever stops it should wait longer than the two together."""
     min_version_wait_s: float = Field(default=30.0, gt=0)
     """A Generate request with `min_policy_version` above the serving version waits this long for it
     (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""

@@ -3,6 +3,11 @@
 Start-up order keeps the lifecycle guarantee: the gRPC server starts first with health NOT_SERVING (so
 probes and the registry can see the replica starting), then the engine loads, then the latest committed
 version of the run (or the base model as version 0), and only then does health say SERVING.
+
+Shutdown drains (SIGTERM, as on scale-in): the replica admits nothing new and says `draining` in the
+registry at once, so the coordinator stops dispatching to it; its admitted requests finish (up to
+`drain_timeout_s`); then the gRPC server stops and the registry entry is deleted. Nothing is re-dispatched
+that the replica could finish.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +113,7 @@ class Parts:
             capacity=self.replica.limits.max_in_flight,
             model=self.config.engine.model,
             engine=self.engine.kind,
+            draining=self.replica.draining,
         )
 
 
@@ -223,10 +230,39 @@ async def export_metrics(parts: Parts) -> None:
         await asyncio.sleep(1.0)
 
 
+def install_drain_on_signal(parts: Parts) -> None:
+    """SIGTERM and SIGINT start `drain_and_stop` once; a repeated signal is ignored."""
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s: draining", sig.name)
+        if not stopping:
+            stopping.append(loop.create_task(drain_and_stop(parts)))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def drain_and_stop(parts: Parts) -> None:
+    """1. admit nothing new; 2. announce `draining` in the registry now (not at the next beat); 3. let the
+    admitted requests finish, up to `drain_timeout_s`; 4. stop the server (its grace cancels the rest)."""
+    parts.replica.start_draining()
+    if parts.heartbeat is not None:
+        try:
+            await parts.heartbeat.beat()
+        except Exception:  # tolerated: Redis unreachable; the entry expires with its TTL instead
+            log.warning("could not announce draining in the registry", exc_info=True)
+    idle = await parts.replica.wait_idle(parts.config.drain_timeout_s)
+    if not idle:
+        log.warning("drain timed out with %d prompts in flight", parts.replica.in_flight)
+    await parts.server.stop()
+
+
 async def run(config: RolloutServiceConfig) -> None:
     parts = assemble(config)
     await start_server(parts)
-    parts.server.install_signal_handlers()
+    install_drain_on_signal(parts)
     tasks = [asyncio.get_running_loop().create_task(export_metrics(parts))]
     try:
         await load_initial_weights(parts)

@@ -9,6 +9,8 @@ No gRPC here (`server.py` adapts it). Invariants:
   engine may have been touched before the failure, the old weights are reloaded before serving resumes,
   and if even that fails the replica stops serving rather than serve a half-loaded model.
 - One update at a time.
+- Draining (scale-in) is one way: once `start_draining` is called nothing new is admitted (UNAVAILABLE),
+  and what was admitted runs to the end (`wait_idle`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Replica:
         self._requests: set[str] = set()
         self._restore: Loader | None = None
         self._new_version = asyncio.Event()  # set (and replaced) whenever the serving version changes
+        self.draining = False
         self.started_at = time.monotonic()
 
     @property
@@ -136,6 +139,8 @@ class Replica:
 
     async def _admit(self, request_id: str, count: int) -> int:
         await self._admitting.wait()
+        if self.draining:
+            raise Unavailable("this replica is draining (shutting down): send the request to another one")
         if self.version is None:
             raise Unavailable("this replica holds no published weights yet")
         if request_id in self._requests:
@@ -159,6 +164,20 @@ class Replica:
             if self._busy_since is not None:
                 self.busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None
+
+    # --- draining ---------------------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        """Admits nothing from now on; requests already admitted continue."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no admitted request is left; False if some still run after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     # --- weights ----------------------------------------------------------------------------------
 
