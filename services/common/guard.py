@@ -104,15 +104,18 @@ def reap_all() -> dict[int, int]:
         reaped[pid] = status
 
 
-def kill_descendants(timeout_s: float = 10.0) -> None:
-    """SIGKILLs and reaps everything below the guard until nothing is left (or `timeout_s` passed)."""
+def kill_descendants(timeout_s: float = 10.0) -> dict[int, int]:
+    """SIGKILLs and reaps everything below the guard until nothing is left (or `timeout_s` passed);
+    returns pid -> wait status of the children it reaped (the service's among them, if it was one)."""
     deadline = time.monotonic() + timeout_s
+    reaped: dict[int, int] = {}
     while (left := descendants(os.getpid())) and time.monotonic() < deadline:
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
-        reap_all()
+        reaped.update(reap_all())
+    return reaped
 
 
 def exit_code(status: int) -> int:
@@ -130,6 +133,8 @@ class Guard:
         self.grace_s = grace_s
         self.pending: list[int] = []
         self.term_deadline: float | None = None
+        self.status: int | None = None
+        """The service's wait status once it was reaped."""
         self.child, self.release = spawn(argv)
 
     def on_signal(self, signum: int, frame: object) -> None:
@@ -138,13 +143,18 @@ class Guard:
     def run(self) -> int:
         """Waits for the service's exit (invariants 3 and 4 on the way), then clears up (invariant 2)."""
         while True:
-            status = reap_all().get(self.child)
-            if status is not None:
+            self.note(reap_all())
+            if self.status is not None:
                 kill_descendants()
-                return exit_code(status)
+                return exit_code(self.status)
             self.forward_signals()
             self.watch_parent()
             time.sleep(POLL_S)
+
+    def note(self, reaped: dict[int, int]) -> None:
+        """Keeps the service's wait status if it is among the `reaped`."""
+        if self.child in reaped:
+            self.status = reaped[self.child]
 
     def forward_signals(self) -> None:
         while self.pending:
@@ -159,7 +169,7 @@ class Guard:
             self.term_deadline = now + self.grace_s
             self.send(signal.SIGTERM)
         elif now >= self.term_deadline:
-            kill_descendants()
+            self.note(kill_descendants())
 
     def send(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -20,7 +20,10 @@ SERVICE = """
 import os, signal, subprocess, sys, time
 # a grandchild in a session of its own: a process-group kill of the service would miss it
 grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))
+if sys.argv[1] == "ignore":  # deaf to SIGTERM: only the SIGKILL after the grace ends it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))
 print(f"service {os.getpid()} grandchild {grandchild.pid}", flush=True)
 while True:
     time.sleep(1)
@@ -29,8 +32,8 @@ while True:
 PARENT = """
 import json, sys
 from rlfabric.common.procs import ServiceProcess
-proc = ServiceProcess("svc", [sys.executable, "-c", sys.argv[1], "0"], log_path=sys.argv[2], guarded=True,
-                      guard_grace_s=1.0)
+argv = [sys.executable, "-c", sys.argv[1], sys.argv[3]]
+proc = ServiceProcess("svc", argv, log_path=sys.argv[2], guarded=True, guard_grace_s=1.0)
 match = proc.start(r"service (\\d+) grandchild (\\d+)", timeout_s=60)
 print(json.dumps({"guard": proc.pid, "service": proc.service_pid, "grandchild": int(match[2])}), flush=True)
 input()  # until killed
@@ -91,12 +94,15 @@ def test_sigterm_reaches_the_service_and_its_exit_code_comes_back(tmp_path: Path
         kill_all([grandchild])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_nothing_outlives_a_killed_parent(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("sig", "service"), [(signal.SIGKILL, "0"), (signal.SIGTERM, "0"), (signal.SIGKILL, "ignore")]
+)
+def test_nothing_outlives_a_killed_parent(tmp_path: Path, sig: signal.Signals, service: str) -> None:
     """The parent (standing in for `rlfabric up`) dies without stopping anything: within the guard's
-    grace (1 s here) and a poll, the guard, the service and the grandchild in its own session are gone."""
+    grace (1 s here) and a poll, the guard, the service (even one deaf to SIGTERM) and the grandchild in
+    its own session are gone."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, SERVICE, str(tmp_path / "svc.log")],
+        [sys.executable, "-c", PARENT, SERVICE, str(tmp_path / "svc.log"), service],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -1,0 +1,178 @@
+"""`rlfabric up` heals and cleans up after itself, with real processes (the transformers engine keeps the
+starts short on two cores):
+
+1. SIGKILL of the learner and of the replica mid-run: `up` restarts both (the learner resumes from its
+   checkpoint, the replica rejoins under its id), the run completes, the books balance from the run's own
+   Redis (AOF) and the learner's checkpoint, the summary counts the restarts, and no process `up` ever
+   started is left once it exits.
+2. SIGKILL of `up` itself mid-run: every process it started is gone within seconds (their guards see to
+   it); `up --resume` on the same directory then finishes the run with its Redis data and credentials,
+   and the books balance.
+
+Every process `up` started is recorded by PID while it runs (its descendants, sampled each poll).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import redis
+
+from rlfabric.common import ledger
+
+STEPS = 14
+"""The demo checkpoints every 10 steps: a kill after step 10 resumes from it, one before from scratch."""
+TIMEOUT_S = 600.0
+
+
+class Up:
+    """One `rlfabric up` subprocess, its output file, and every PID seen below it."""
+
+    def __init__(self, run_dir: Path, *args: str, env: dict[str, str]) -> None:
+        self.run_dir, self.out = run_dir, run_dir.with_suffix(".out")
+        argv = [sys.executable, "-m", "rlfabric.cli", "up", *args, "--no-progress"]
+        with self.out.open("a") as sink:
+            self.proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        self.seen: set[int] = set()
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def record_pids(self) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.seen |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+
+    def wait_for(self, what: str, check: Callable[[], Any]) -> Any:
+        """Polls `check` (recording PIDs) until it returns something truthy."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.record_pids()
+            if value := check():
+                return value
+            assert self.proc.poll() is None, f"`up` exited before {what}:\n{self.output()[-3000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"no {what} after {TIMEOUT_S:.0f} s:\n{self.output()[-3000:]}")
+
+    def finish(self) -> int:
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.record_pids()
+            time.sleep(0.5)
+        return self.proc.wait(timeout=5)
+
+    def status(self) -> dict[str, Any] | None:
+        match = re.search(r"page: (http://[\d.:]+)/runs/", self.output())
+        if match is None:
+            return None
+        token = json.loads((self.run_dir / "credentials.json").read_text())["api"]
+        try:
+            response = httpx.get(f"{match[1]}/v1/runs/demo", headers={"Authorization": f"Bearer {token}"})
+            return dict(response.json()) if response.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    def step(self) -> int:
+        return int((self.status() or {}).get("step") or 0)
+
+    def pid_of(self, name: str) -> int:
+        return int(re.findall(rf"{name} (?:ready|is back) \(pid (\d+)", self.output())[-1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=120)
+
+
+def survivors(pids: set[int], timeout_s: float = 15.0) -> list[str]:
+    """The processes among `pids` still alive after `timeout_s` (zombies count as gone); those are then
+    SIGKILLed, so that a failing test leaves nothing behind either."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{pid} {' '.join(proc.cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for line in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    return left
+
+
+@pytest.fixture(scope="module")
+def env(vllm_env: dict[str, str]) -> dict[str, str]:
+    return {**vllm_env, "PYTHONUNBUFFERED": "1"}
+
+
+def balanced(run_dir: Path, reopen_aof: Callable[[Path], redis.Redis]) -> int:
+    """The ledger's check of the run (raises when the books do not balance); the groups trained."""
+    books = reopen_aof(run_dir)
+    run = run_dir / "demo"
+    result = ledger.check(books, "demo", run / "checkpoints", weights_root=str(run / "weights"))
+    return int(result.count()[ledger.TRAINED])
+
+
+def test_up_restarts_a_killed_learner_and_replica(
+    tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
+) -> None:
+    up = Up(tmp_path / "run", "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS),
+            "--engine", "transformers", env=env)  # fmt: skip
+    try:
+        up.wait_for("step 2", lambda: up.step() >= 2)
+        os.kill(up.pid_of("learner"), signal.SIGKILL)
+        up.wait_for("the learner back", lambda: "supervise: learner is back" in up.output())
+        os.kill(up.pid_of("rollout-0"), signal.SIGKILL)
+        up.wait_for("the replica back", lambda: "supervise: rollout-0 is back" in up.output())
+        returncode = up.finish()
+    finally:
+        up.stop()
+    output = up.output()
+    assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
+    assert "restarts: 2 (learner 1, rollout-0 1)" in output, output[-3000:]
+    assert survivors(up.seen) == []
+    assert balanced(tmp_path / "run", reopen_aof) == STEPS * 8
+
+
+def test_nothing_outlives_a_killed_up_and_resume_finishes_the_run(
+    tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
+) -> None:
+    run_dir = tmp_path / "run"
+    first = Up(run_dir, "--run-dir", str(run_dir), "--steps", str(STEPS), "--engine", "transformers", env=env)
+    try:
+        first.wait_for("step 2", lambda: first.step() >= 2)
+        first.record_pids()
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+    finally:
+        first.stop()
+    assert len(first.seen) >= 5, first.seen  # redis, reward, rollout, learner, coordinator and guards
+    assert survivors(first.seen) == []
+    second = Up(run_dir, "--resume", str(run_dir), env=env)
+    try:
+        returncode = second.finish()
+    finally:
+        second.stop()
+    output = second.output()
+    assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
+    assert "run demo was running" in output
+    assert survivors(second.seen) == []
+    assert balanced(run_dir, reopen_aof) == STEPS * 8
