@@ -96,3 +96,14 @@ def test_records_round_trip_and_carry_the_agreed_fields() -> None:
         14,
     )
     assert '"position": -1' in inflight_record("p:e0:r1", "p", 0)
+
+
+def test_the_coordinator_health_checks_read_past_a_restart_marker() -> None:
+    from rlfabric.coordinator.health import health_warnings, last_good_checkpoint
+
+    steps = [
+        {"step": s, "policy_version": s, "reward_mean": 0.5, "kl": 0.01, "entropy": 1.0} for s in (1, 2, 3)
+    ]
+    rows = [*steps, restart_row(2, 4), {**steps[-1], "policy_version": 5, "checkpoint_step": 3}]
+    assert health_warnings(rows) == []
+    assert last_good_checkpoint(rows, since_step=10, keep=2) == 3
