@@ -158,8 +158,17 @@ class Stack:
     def start_coordinator(self) -> None:
         argv = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={self.redis_url}")
         argv += ["--set", f"reward_address={self.reward_address}"]
-        env = {**os.environ, **CREDENTIALS}
+        env = {**os.environ, **CREDENTIALS, **self.roots}
         self.url = self._proc("coordinator", argv, r"listening on (http://\S+)", timeout_s=60, env=env)
+
+    @property
+    def roots(self) -> dict[str, str]:
+        """The coordinator's allowed folders for this run's dataset (the scenario's folder) and model."""
+        model_root = str(Path(self.spec.model.path).parent)
+        return {
+            "RLFABRIC_COORDINATOR__DATA_ROOTS": json.dumps([str(self.folder)]),
+            "RLFABRIC_COORDINATOR__MODEL_ROOTS": json.dumps([model_root]),
+        }
 
     def start(self, replicas: int = 1, failpoints: str = "", reward_settings: tuple[str, ...] = ()) -> None:
         """Everything, the slow starters in parallel, then the run."""
