@@ -14,6 +14,7 @@ speed. The transformers reference engine keeps replica start-up short on two cor
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -51,9 +52,14 @@ def wait_for(what: str, proc: subprocess.Popen[str], out: Path, check: Callable[
     raise AssertionError(f"no {what} after {TIMEOUT_S:.0f} s:\n{out.read_text()[-3000:]}")
 
 
-def run_status(url: str) -> dict[str, Any] | None:
+def bearer(run_dir: Path) -> dict[str, str]:
+    """The Authorization header with the run's API token (`up` keeps it in credentials.json)."""
+    return {"Authorization": f"Bearer {json.loads((run_dir / 'credentials.json').read_text())['api']}"}
+
+
+def run_status(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
     try:
-        return dict(httpx.get(f"{url}/v1/runs/demo", timeout=10).json())
+        return dict(httpx.get(f"{url}/v1/runs/demo", headers=headers, timeout=10).json())
     except httpx.HTTPError:
         return None
 
@@ -72,19 +78,19 @@ def scaled_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str
         page = wait_for(
             "the run's page", proc, out, lambda: re.search(r"page: (http://\S+)/runs/demo", out.read_text())
         )
-        url = page.group(1)
+        url, headers = page.group(1), bearer(run_dir)
 
         def step_with_two() -> int | None:
-            status = run_status(url)
+            status = run_status(url, headers)
             scaling = (status or {}).get("scaling") or {}
             return int(status["step"] or 0) + 1 if status and scaling.get("replicas") == 2 else None
 
         seen_at = wait_for("a second replica in the pool", proc, out, step_with_two)
         wait_for(
             f"step {seen_at + STEPS_WITH_TWO}", proc, out,
-            lambda: int((run_status(url) or {}).get("step") or 0) >= seen_at + STEPS_WITH_TWO,
+            lambda: int((run_status(url, headers) or {}).get("step") or 0) >= seen_at + STEPS_WITH_TWO,
         )  # fmt: skip
-        httpx.post(f"{url}/v1/runs/demo/stop", timeout=10).raise_for_status()
+        httpx.post(f"{url}/v1/runs/demo/stop", headers=headers, timeout=10).raise_for_status()
         returncode = proc.wait(timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:  # a failed wait: stop `up` (it stops its services) before failing

@@ -1,10 +1,11 @@
 """`rlfabric up` heals and cleans up after itself, with real processes (the transformers engine keeps the
 starts short on two cores):
 
-1. SIGKILL of the learner and of the replica mid-run: `up` restarts both (the learner resumes from its
-   checkpoint, the replica rejoins under its id), the run completes, the books balance from the run's own
-   Redis (AOF) and the learner's checkpoint, the summary counts the restarts, and no process `up` ever
-   started is left once it exits.
+1. SIGKILL of the learner, the replica and the coordinator mid-run: `up` restarts each (the learner
+   resumes from its checkpoint, the replica rejoins under its id, the coordinator comes back on its port
+   and resumes the run from Redis while `up`'s watch waits for it), the run completes, the books balance
+   from the run's own Redis (AOF) and the learner's checkpoint, the summary counts the restarts, and no
+   process `up` ever started is left once it exits.
 2. SIGKILL of `up` itself mid-run: every process it started is gone within seconds (their guards see to
    it); `up --resume` on the same directory then finishes the run with its Redis data and credentials,
    and the books balance.
@@ -142,12 +143,14 @@ def test_up_restarts_a_killed_learner_and_replica(
         up.wait_for("the learner back", lambda: "supervise: learner is back" in up.output())
         os.kill(up.pid_of("rollout-0"), signal.SIGKILL)
         up.wait_for("the replica back", lambda: "supervise: rollout-0 is back" in up.output())
+        os.kill(up.pid_of("coordinator"), signal.SIGKILL)  # up's own watch loses it, and waits
+        up.wait_for("the coordinator back", lambda: "supervise: coordinator is back" in up.output())
         returncode = up.finish()
     finally:
         up.stop()
     output = up.output()
     assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
-    assert "restarts: 2 (learner 1, rollout-0 1)" in output, output[-3000:]
+    assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1)" in output, output[-3000:]
     assert survivors(up.seen) == []
     assert balanced(tmp_path / "run", reopen_aof) == STEPS * 8
 
