@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -266,12 +267,12 @@ def start_services(
     stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, policy: ScalePolicy | None
 ) -> Services:
     """Starts reward, rollout, learner and coordinator, each on a port chosen here."""
-    reward = stack.launch(reward_process(stack, args), REWARD_READY)
+    reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
     replicas = [replica_process(stack, args, spec, redis_url, i) for i in range(args.replicas)]
     starting = [stack.launch(proc, REPLICA_READY) for proc in replicas]
     learner = stack.launch(learner_process(stack, args, spec, redis_url), LEARNER_READY)
     reward_address = stack.wait(reward)
-    coordinator = coordinator_process(stack, args, redis_url, reward_address)
+    coordinator = coordinator_process(stack, args, spec, redis_url, reward_address)
     url = stack.start(coordinator, COORDINATOR_READY)
     for pending in (learner, *starting):
         stack.wait(pending)
@@ -289,34 +290,42 @@ def start_services(
     return Services(url, supervised, learner.proc, scaler)
 
 
-def reward_process(stack: Stack, args: argparse.Namespace) -> ServiceProcess:
-    """The reward service: user functions only from the run file's directory (the demo's own one)."""
-    allowed = [str(Path(args.run_file).resolve().parent)] if args.run_file else [DEMO_FUNCTION]
+def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess:
+    """The reward service: user functions only from the run file's folder and the functions the run
+    spec names by module (the operator's own run file, or the demo)."""
+    folder = [str(Path(args.run_file).resolve().parent)] if args.run_file else []
+    allowed = folder + spec_functions(spec)
     argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")
 
 
-DEMO_FUNCTION = "rlfabric.coordinator.demo:letter_reward"
-"""The built-in demo's reward function, the one the reward service allows when there is no run file."""
+def spec_functions(spec: Any) -> list[str]:
+    """The "package.module:attr" functions the run's reward (or its composite parts) names; file paths
+    are left to the run file's folder."""
+    params = [spec.reward.params, *(part.params for part in spec.reward.parts or [])]
+    named = [str(p["function"]) for p in params if isinstance(p.get("function"), str)]
+    return [n for n in named if re.fullmatch(r"[\w.]+:[\w.]+", n) and not n.split(":")[0].endswith(".py")]
 
 
 def coordinator_process(
-    stack: Stack, args: argparse.Namespace, redis_url: str, reward_address: str
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, reward_address: str
 ) -> ServiceProcess:
-    """The coordinator: datasets and models confined to `up`'s working directory, the run file's folder
-    and the run directory."""
+    """The coordinator: datasets and models confined to `allowed_roots`."""
     argv = cli("serve", "coordinator", "--port", str(free_port()), "--set", f"redis.url={redis_url}")
     argv += ["--set", f"reward_address={reward_address}"]
-    roots = json.dumps(allowed_roots(args, stack.run_dir))
+    roots = json.dumps(allowed_roots(args, stack.run_dir, spec))
     argv += ["--set", f"data_roots={roots}", "--set", f"model_roots={roots}"]
     return stack.process("coordinator", argv, service="coordinator")
 
 
-def allowed_roots(args: argparse.Namespace, run_dir: Path) -> list[str]:
+def allowed_roots(args: argparse.Namespace, run_dir: Path, spec: Any) -> list[str]:
     """Where a run's dataset and model may lie: the working directory, the run file's folder, the run
-    directory (the demo's model and prompts)."""
+    directory (the demo's model and prompts), and the folders holding the dataset and models the run
+    file itself names (hub ids aside)."""
     roots = [Path.cwd(), run_dir, *([Path(args.run_file).resolve().parent] if args.run_file else [])]
+    named = [spec.dataset.path, spec.model.path, spec.model.reference_path, spec.model.critic_path]
+    roots += [Path(path).resolve().parent for path in named if path and Path(path).exists()]
     return list(dict.fromkeys(str(root.resolve()) for root in roots))
 
 
@@ -486,7 +495,8 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         if action == "done":
             return 0
         services = start_services(stack, options, spec, redis_url, scale_policy(options))
-        for proc, ready in services.supervised:
+        redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]  # unless --redis-url
+        for proc, ready in redis + services.supervised:
             supervisor.watch(proc, ready, restart_clean_exit=proc is not services.learner)
         if services.scaler is not None:
             services.scaler.supervisor = supervisor

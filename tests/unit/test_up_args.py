@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from rlfabric import up
+from rlfabric.common.runspec import RunSpec
 from rlfabric.up_credentials import Credentials
 
 
@@ -93,18 +94,25 @@ time.sleep(60)
 def test_each_service_process_gets_its_own_tokens_only(tmp_path: Path) -> None:
     credentials = Credentials.generate()
     stack = up.Stack(tmp_path, credentials)
-    reward = up.reward_process(stack, parse())
+    reward = up.reward_process(stack, parse(), spec_naming("pkg.mod:fn"))
     assert reward.env["RLFABRIC_REWARD__TOKEN"] == credentials.reward
     assert credentials.api not in reward.env.values() and credentials.weights not in reward.env.values()
     assert reward.guarded
 
 
-def test_the_reward_service_allows_the_run_files_directory(tmp_path: Path) -> None:
+def test_the_reward_service_allows_the_run_files_folder_and_the_specs_functions(
+    tmp_path: Path,
+) -> None:
     run_file = tmp_path / "runs" / "r.yaml"
-    argv = up.reward_process(up.Stack(tmp_path), parse(str(run_file))).argv
+    argv = up.reward_process(up.Stack(tmp_path), parse(str(run_file)), spec_naming("rewards.py:fn")).argv
     assert f"allowed_functions={json.dumps([str(run_file.parent)])}" in argv
-    demo = up.reward_process(up.Stack(tmp_path), parse()).argv
-    assert f"allowed_functions={json.dumps([up.DEMO_FUNCTION])}" in demo
+    demo = up.reward_process(up.Stack(tmp_path), parse(), spec_naming("pkg.mod:fn")).argv
+    assert f"allowed_functions={json.dumps(['pkg.mod:fn'])}" in demo
+
+
+def spec_naming(function: str) -> RunSpec:
+    reward = {"scorer": "python_function", "params": {"function": function}}
+    return RunSpec.model_validate({"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}, "reward": reward})
 
 
 def test_a_used_run_directory_needs_resume(tmp_path: Path) -> None:
