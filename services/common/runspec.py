@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from rlfabric.common.config import StrictModel
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 MAX_TOKENS = 1 << 20
 """Upper bound of every length in tokens (context, completion, buffers, top-k): about a million."""
@@ -185,7 +185,7 @@ class OverlongSpec(SpecModel):
 class AlgorithmSpec(SpecModel):
     """Advantage estimator and loss."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
     """Estimator; gae trains a critic (PPO)."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
         "token_mean"

@@ -36,17 +36,27 @@ def grpo_advantages(rewards: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
     A group whose rewards are all equal, or a group of one, gets exactly 0 (not NaN, nor rounding noise
     amplified by a tiny std): it carries no learning signal.
     """
-    centred = dr_grpo_advantages(rewards)
     if rewards.shape[-1] < 2:
         return torch.zeros_like(rewards)
-    constant = rewards.amax(dim=-1, keepdim=True) == rewards.amin(dim=-1, keepdim=True)
+    constant = _constant_groups(rewards)
     denom = torch.where(constant, 1.0, rewards.std(dim=-1, keepdim=True) + eps)
-    return torch.where(constant, 0.0, centred / denom)
+    return dr_grpo_advantages(rewards) / denom
 
 
 def dr_grpo_advantages(rewards: Tensor) -> Tensor:
-    """Dr.GRPO: `r - mean_group`, no std division (it biases towards too easy/hard prompts). (G, n)."""
-    return rewards - rewards.mean(dim=-1, keepdim=True)
+    """Dr.GRPO: `r - mean_group`, no std division (it biases towards too easy/hard prompts). (G, n).
+
+    A group whose rewards are all equal gets exactly 0: in float32 the mean of equal values can miss
+    them by an ulp (8 copies of 0.9 centre to -6e-8), noise that a later whitening over the batch
+    (`reinforce_pp_baseline`) would blow up to +-1.
+    """
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    return torch.where(_constant_groups(rewards), torch.zeros_like(centred), centred)
+
+
+def _constant_groups(rewards: Tensor) -> Tensor:
+    """(G, n) → (G, 1) bool: the groups whose rewards are all exactly equal."""
+    return rewards.amax(dim=-1, keepdim=True) == rewards.amin(dim=-1, keepdim=True)
 
 
 def rloo_advantages(rewards: Tensor) -> Tensor:
@@ -166,7 +176,8 @@ def reinforce_pp(
     """REINFORCE++ (Hu 2025): returns-to-go, whitened over every valid token of the batch (no critic).
 
     With an outcome reward only and gamma = 1 every token of a response carries its reward r, so this is
-    `(r - mean_batch) / std_batch` with the batch statistics weighted by response length.
+    `(r - mean_batch) / std_batch` with the batch statistics weighted by response length. A batch whose
+    returns are all equal gets exactly 0 (`masked_whiten`'s invariant 1).
     """
     returns = discounted_returns(token_rewards, mask, gamma)
     return masked_whiten(returns, mask, eps), returns
@@ -183,7 +194,9 @@ def reinforce_pp_baseline(
     lam: float = 0.95,
     eps: float = DEFAULT_EPS,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++-baseline: subtract the group mean score, broadcast to tokens, whiten over the batch."""
+    """REINFORCE++-baseline (Hu 2025): subtract the group mean score, broadcast to tokens, whiten over the
+    batch. Needs groups of n >= 2 (a group of one centres to 0). A batch of groups that are each all equal
+    gets exactly 0, whatever their values (`dr_grpo_advantages` centres them to exactly 0)."""
     centred = dr_grpo_advantages(sequence_scores(token_rewards, mask, group_size)).reshape(-1)
     returns = broadcast_to_tokens(centred, mask)
     return masked_whiten(returns, mask, eps), returns

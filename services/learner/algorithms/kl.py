@@ -6,8 +6,19 @@ of the sampled token (Schulman, "Approximating KL divergence", 2020). With `log_
 - k1 = -log_r: unbiased, high variance, can be negative per token.
 - k2 = 0.5 * log_r**2: biased, low variance, >= 0; its gradient is that of the true KL's.
 - k3 = r - 1 - log_r: unbiased and >= 0 (since e^x >= 1 + x); GRPO's choice.
-`log_r` is clamped to +-LOG_RATIO_CLAMP before `exp` so a token the reference finds near-impossible
-cannot produce inf.
+`log_r` is clamped to +-LOG_RATIO_CLAMP (the bound of verl and OpenRLHF) in value only. Two ends need it:
+- `log_r` very positive: a sampled token the *policy* finds near-impossible but the reference does not.
+  k3's `exp(log_r)` overflows float32/bfloat16 past ~88.7 (inf, then NaN gradients); the clamp keeps it
+  at most e^20 ~ 4.9e8.
+- `log_r = -inf`: the reference gives the token zero probability (underflow in bfloat16, a masked
+  vocabulary). Every estimator would be +inf; clamped, the token costs a finite penalty.
+  (A token the reference merely finds unlikely is harmless: `exp` of a very negative number is 0.)
+The clamp is straight-through: beyond it the gradient is the one at the bound (at most e^20 - 1 for
+k3), not 0. verl and
+OpenRLHF clamp with a plain `torch.clamp`, which zeroes the gradient there, so the KL term stops pulling
+back exactly the tokens that drifted furthest from the reference (`log_r < -20`, where k1's and k3's true
+gradients are ~1, perfectly tame). Values are identical to theirs (without verl's extra clamp of k3 to
+10, which zeroes its gradient already at `log_r < -11`).
 
 The coefficient is either fixed or adapted towards a target KL (Ziegler et al. 2019); the KL either
 enters the loss (aggregated like the policy loss) or the reward (`apply_kl_penalty`).
@@ -16,6 +27,7 @@ enters the loss (aggregated like the policy loss) or the reward (`apply_kl_penal
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,9 +35,22 @@ from torch import Tensor
 LOG_RATIO_CLAMP = 20.0
 
 
+class _StraightThroughClamp(torch.autograd.Function):
+    """`x.clamp(-bound, bound)` forward; the gradient passes unchanged backward (also for infinite x)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bound: float) -> Tensor:
+        return x.clamp(-bound, bound)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
 def _log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """`log(p_ref / p)` per token, clamped for stability. (B, T) → (B, T)."""
-    return (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """`log(p_ref / p)` per token, clamped straight-through to +-LOG_RATIO_CLAMP. (B, T) → (B, T)."""
+    clamped: Tensor = _StraightThroughClamp.apply(ref_logp - logp, LOG_RATIO_CLAMP)
+    return clamped
 
 
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:

@@ -13,6 +13,15 @@ Per token, with importance ratio `rho = pi(y_t) / pi_old(y_t)` and advantage `A`
   (`rollout_logp`) differ from the trainer's `old_logp` (kernels, precision, off-policy lag). Each token's
   loss is weighted by `min(exp(old_logp - rollout_logp), cap)`, a constant of the gradient.
 The per-token loss is then reduced by one of `AGGREGATIONS`.
+
+The log-ratio `log(pi / pi_old)` is clamped to +-LOG_RATIO_CLAMP (20, as verl) before `exp`, a plain
+clamp: the ratio stays within [2e-9, 4.9e8], so `-A * rho`, its gradient and the ratio statistics stay
+finite (float32 `exp` overflows past 88.7, and one inf in a sum makes the whole step NaN). A token beyond
+the clamp gets no gradient. Below it that loses nothing: the gradient there is at most `2e-9 * |A|`
+(or 0, clipped). Above it a positive-advantage token is clipped anyway; a negative-advantage one loses a
+gradient of at least `4.9e8 * |A|`, which would swamp every other token of the step, so zeroing it acts
+as a last-resort dual clip (the real one, `dual_clip`, bounds such tokens from ratio `c` on). The TIS
+weight's log-ratio has the same upper clamp (a detached weight, capped at `tis_cap` anyway).
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ class PolicyLossConfig:
 
 
 def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, gspo: bool = False) -> Tensor:
-    """`log(pi / pi_old)` per token, or GSPO's sequence ratio in GSPO-token form. All (B, T) → (B, T)."""
+    """`log(pi / pi_old)` per token, or GSPO's sequence ratio in GSPO-token form, clamped to
+    +-LOG_RATIO_CLAMP (zero gradient beyond: see the module docstring). All (B, T) → (B, T)."""
     log_ratio = logp - old_logp
     if gspo:
         seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach().unsqueeze(-1)

@@ -121,3 +121,57 @@ def test_estimators_carry_no_gradient() -> None:
     for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
         adv, _ = ADVANTAGE_ESTIMATORS[name](token_rewards, torch.ones(2, 2), group_size=2)
         assert not adv.requires_grad, name
+
+
+@pytest.mark.parametrize(("value", "old_result"), [(0.9, -0.151), (0.1, 0.0074)])
+def test_reinforce_pp_of_an_all_equal_float32_batch_is_exactly_zero(value: float, old_result: float) -> None:
+    """30 one-token responses with the same reward: no learning signal. The float32 batch mean misses the
+    value by an ulp; whitening used to turn that into the same advantage `old_result` on every token."""
+    token_rewards = torch.full((30, 1), value)
+    adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp"](token_rewards, torch.ones(30, 1), group_size=5)
+    assert torch.equal(returns, token_rewards)
+    assert torch.equal(adv, torch.zeros(30, 1)), (adv[0, 0].item(), old_result)
+    padded = torch.cat([torch.zeros(30, 3), token_rewards], dim=1)  # the reward on the last of 4 tokens
+    adv, _ = ADVANTAGE_ESTIMATORS["reinforce_pp"](padded, torch.ones(30, 4), group_size=5)
+    assert torch.equal(adv, torch.zeros(30, 4))
+
+
+def test_group_centring_of_equal_float32_rewards_is_exactly_zero() -> None:
+    """8 copies of 0.9 centre to -6e-8 in float32; the baseline estimator then whitened such noise over a
+    batch of all-constant groups into advantages of +-1."""
+    rewards = torch.tensor([[0.9] * 8, [0.1] * 8])
+    assert (rewards - rewards.mean(dim=-1, keepdim=True)).abs().max().item() > 0  # the rounding
+    assert torch.equal(dr_grpo_advantages(rewards), torch.zeros(2, 8))
+    assert torch.equal(rloo_advantages(rewards), torch.zeros(2, 8))
+    token_rewards = torch.zeros(16, 3)
+    token_rewards[:, -1] = rewards.reshape(-1)
+    adv, returns = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](
+        token_rewards, torch.ones(16, 3), group_size=8
+    )
+    assert torch.equal(returns, torch.zeros(16, 3))
+    assert torch.equal(adv, torch.zeros(16, 3))
+
+
+def test_every_estimator_a_run_file_can_name_is_registered_and_back() -> None:
+    from typing import get_args
+
+    from rlfabric.common.runspec import AlgorithmSpec
+
+    names = set(get_args(AlgorithmSpec.model_fields["advantage"].annotation))
+    assert names == set(ADVANTAGE_ESTIMATORS)
+
+
+def test_run_file_selects_reinforce_pp_baseline_with_groups_of_two_or_more() -> None:
+    from rlfabric.common.config import ConfigError, load_config
+    from rlfabric.common.runspec import RunSpec
+
+    base = [
+        "model.path=m",
+        "dataset.path=d",
+        "reward.scorer=exact_match",
+        "algorithm.advantage=reinforce_pp_baseline",
+    ]
+    spec = load_config(RunSpec, overrides=[*base, "rollout.sampling.n=4"])
+    assert spec.algorithm.advantage == "reinforce_pp_baseline"
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.n must be >= 2"):
+        load_config(RunSpec, overrides=[*base, "rollout.sampling.n=1"])

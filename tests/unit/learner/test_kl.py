@@ -53,6 +53,32 @@ def test_k3_is_finite_for_extreme_ratios() -> None:
     assert kl[0, 0].item() == pytest.approx(19.0, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("name", "grad"),
+    # log r = ref - logp, clamped to -20; d/dlogp = -d/dlog_r: k1 1, k2 -(-20), k3 -(e^-20 - 1)
+    [("k1", 1.0), ("k2", 20.0), ("k3", 1.0 - math.exp(-20.0))],
+)
+def test_gradient_survives_the_clamp(name: str, grad: float) -> None:
+    """A token the policy pushed e^30 above the reference (log r = -30, beyond the clamp) still gets the
+    KL's pull back: the gradient at the bound, not the 0 of a plain clamp. A reference probability of 0
+    (log r = -inf) is the same case: finite value, finite gradient."""
+    for ref in (-31.0, float("-inf")):
+        logp = torch.tensor([[-1.0]], requires_grad=True)
+        kl = KL_ESTIMATORS[name](logp, torch.tensor([[ref]]))
+        kl.sum().backward()
+        assert logp.grad is not None
+        assert torch.isfinite(kl).all(), ref
+        assert logp.grad.item() == pytest.approx(grad, rel=1e-6), ref
+
+
+def test_values_are_clamped_at_both_ends() -> None:
+    logp, ref = torch.tensor([[-1.0, -101.0]]), torch.tensor([[-101.0, -1.0]])  # log r = -100, +100
+    torch.testing.assert_close(KL_ESTIMATORS["k1"](logp, ref), torch.tensor([[20.0, -20.0]]))
+    torch.testing.assert_close(KL_ESTIMATORS["k2"](logp, ref), torch.tensor([[200.0, 200.0]]))
+    k3 = KL_ESTIMATORS["k3"](logp, ref)
+    torch.testing.assert_close(k3, torch.tensor([[math.exp(-20) + 19.0, math.expm1(20.0) - 20.0]]))
+
+
 def test_k1_and_k3_are_unbiased_on_samples_from_the_policy() -> None:
     p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5])
     true_kl = 0.3 * math.log(2.5)  # 0.5 ln 2.5 + 0.3 ln 1 + 0.2 ln 0.4

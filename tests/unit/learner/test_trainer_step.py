@@ -425,3 +425,18 @@ def test_compiled_blocks_train_as_the_eager_ones(tiny_model_dir: Path, world: Wo
     for name, grad in grads[0].items():
         scale = float(grad.abs().max())
         torch.testing.assert_close(grads[1][name], grad, atol=0.02 * scale + 1e-6, rtol=0.05, msg=name)
+
+
+def test_reinforce_pp_baseline_chosen_in_the_run_spec_trains(tiny_model_dir: Path, world: World) -> None:
+    """The estimator a run file names is the one the trainer uses: the rewarded completion rises."""
+    spec = make_spec(tiny_model_dir, algorithm={"advantage": "reinforce_pp_baseline"})
+    trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
+    prompt, good, bad = [10, 11, 12], [40, 41, 42, 43], [50, 51, 52, 53]
+    group = GroupSamples(
+        prompt, [Rollout(good, [-4.0] * 4, 1.0), Rollout(bad, [-4.0] * 4, 0.0)] * 2, group_id="g"
+    )
+    before = trainer.sequence_logprobs([group])
+    for _ in range(4):
+        trainer.train_step([group])
+    after = trainer.sequence_logprobs([group])
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0
