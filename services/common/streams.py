@@ -14,6 +14,9 @@ Invariants this module keeps:
   removed entry's summary (group id, policy versions) in `rlfabric:{run}:groups:trimmed`, so the ledger
   still sees every entry the stream ever held while the payloads (the bulk of Redis memory) go.
 - The consumer group is created at id 0, so entries appended before the learner starts are delivered.
+- A dead letter or a stale drop is recorded, counted and acknowledged in one script keyed by the entry id
+  (`dead_letter_once`, `drop_stale_once`): replayed from the AOF and retried after a lost reply, it still
+  counts once, so `dead_lettered` and `dropped_stale` (the coordinator's lag bound) stay exact.
 
 Importable without torch: the coordinator uses it. The Redis client must be a `redis.asyncio.Redis` made
 with `decode_responses=False` (payloads are bytes).
@@ -58,6 +61,28 @@ def trimmed_key(run_id: str) -> str:
     """Hash of the entries trimmed from the groups stream: entry id -> JSON [group id, [policy versions]]."""
     _check_run_id(run_id)
     return f"rlfabric:{run_id}:groups:trimmed"
+
+
+def dead_letter_ids_key(run_id: str) -> str:
+    """Set of the entry ids already dead-lettered (the idempotency key of `dead_letter_once`)."""
+    _check_run_id(run_id)
+    return f"rlfabric:{run_id}:groups:dead_ids"
+
+
+def stale_ids_key(run_id: str) -> str:
+    """Set of the entry ids already dropped as stale (the idempotency key of `drop_stale_once`)."""
+    _check_run_id(run_id)
+    return f"rlfabric:{run_id}:groups:stale_ids"
+
+
+def _counters_key(run_id: str) -> str:
+    """The run's counters hash (`rlfabric.coordinator.runs.counters_key`; common code cannot import it)."""
+    return f"rlfabric:{run_id}:counters"
+
+
+def _dropped_key(run_id: str) -> str:
+    """The run's drop records (the coordinator's `Keys.dropped`), where the learner's stale drops go too."""
+    return f"rlfabric:{run_id}:dropped"
 
 
 def _check_run_id(run_id: str) -> None:
@@ -177,6 +202,45 @@ async def trim_acknowledged(redis: aioredis.Redis, run_id: str, *, batch: int = 
         pipe.xtrim(key, minid=format_id((last[0], last[1] + 1)), approximate=False)
         _, removed = await pipe.execute()
     return int(removed)
+
+
+# KEYS: dead-letter stream, groups stream, counters, dead-letter ids; ARGV: entry id, consumer group, then the
+# record's field/value pairs. Records and counts an entry once; acknowledges it every time.
+DEAD_LETTER_ONCE = """
+if redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+  redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+end
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+
+# KEYS: dropped stream, groups stream, counters, stale ids; ARGV: entry id, consumer group, group id, lag.
+DROP_STALE_ONCE = """
+if redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[3], 'reason', 'stale', 'lag', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], 'dropped_stale', 1)
+end
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+
+
+async def dead_letter_once(
+    redis: aioredis.Redis, run_id: str, entry_id: str, record: dict[bytes, bytes]
+) -> None:
+    """Moves entry `entry_id` to the dead-letter stream (`record`), counts it in `dead_lettered` and
+    acknowledges it, in one script: a retry or a replay records and counts nothing twice."""
+    keys = [dead_letter_key(run_id), groups_key(run_id), _counters_key(run_id), dead_letter_ids_key(run_id)]
+    fields = [part for pair in record.items() for part in pair]
+    await redis.register_script(DEAD_LETTER_ONCE)(keys=keys, args=[entry_id, CONSUMER_GROUP, *fields])
+
+
+async def drop_stale_once(redis: aioredis.Redis, run_id: str, entry_id: str, group_id: str, lag: int) -> None:
+    """Records entry `entry_id` (group `group_id`, `lag` versions old) as dropped with the reason "stale",
+    counts it in `dropped_stale` and acknowledges it, in one script: exact across retries and replays."""
+    keys = [_dropped_key(run_id), groups_key(run_id), _counters_key(run_id), stale_ids_key(run_id)]
+    await redis.register_script(DROP_STALE_ONCE)(keys=keys, args=[entry_id, CONSUMER_GROUP, group_id, lag])
 
 
 class BackpressureTimeout(TimeoutError):

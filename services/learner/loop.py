@@ -33,6 +33,7 @@ from prometheus_client import Gauge
 from rlfabric.common import lineage
 from rlfabric.common import weights as store
 from rlfabric.common.lineage import HandBack, Lineage, ResumePlan
+from rlfabric.common.streams import drop_stale_once
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
@@ -198,12 +199,8 @@ class StepSource:
 
     async def drop_stale(self, delivery: Delivery, lag: int) -> None:
         assert delivery.group is not None
-        await self.redis.xadd(
-            f"rlfabric:{self.run_id}:dropped",
-            {"group_id": delivery.group.group_id, "reason": "stale", "lag": str(lag)},
-        )
-        await self.consumer.ack([delivery.entry_id])
-        await self.redis.hincrby(f"rlfabric:{self.run_id}:counters", "dropped_stale", 1)
+        await drop_stale_once(self.redis, self.run_id, delivery.entry_id, delivery.group.group_id, lag)
+        await self.consumer.ack([delivery.entry_id])  # acknowledged already: this clears the local record
         self.counters.dropped_stale += 1
         log.info("dropped stale group %s (lag %d)", delivery.group.group_id, lag)
 

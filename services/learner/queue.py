@@ -38,6 +38,7 @@ from rlfabric.common.streams import (
     DATA_FIELD,
     as_str,
     dead_letter_key,
+    dead_letter_once,
     ensure_consumer_group,
     groups_key,
     require_bytes_client,
@@ -373,7 +374,7 @@ class GroupConsumer:
         self.last_rejected.append(delivery)
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """XADD to the dead-letter stream and XACK the original, atomically (MULTI/EXEC)."""
+        """XADD to the dead-letter stream, count it and XACK the original, once (`dead_letter_once`)."""
         entry_id = delivery.entry_id
         record = {
             b"data": delivery.data,
@@ -385,11 +386,7 @@ class GroupConsumer:
             b"consumer": self.name.encode(),
             b"dead_lettered_at": repr(time.time()).encode(),
         }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.dead_key, record)  # type: ignore[arg-type]
-        pipe.xack(self.key, CONSUMER_GROUP, entry_id)
-        pipe.hincrby(f"rlfabric:{self.run_id}:counters", "dead_lettered", 1)  # the coordinator's lag bound
-        await pipe.execute()
+        await dead_letter_once(self.redis, self.run_id, entry_id, record)  # counted for the lag bound
         self._in_flight.discard(entry_id)
         self.counters.count_dead(reason)
 

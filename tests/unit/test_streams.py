@@ -1,4 +1,5 @@
-"""Stream layer, fast: key names, validation, the ledger, and the read/ack/dead-letter flow on fakeredis.
+"""Stream layer, fast: key names, validation, the ledger, and the read/ack/dead-letter flow on the session's
+redis-server (dead letters are a Lua script, which fakeredis runs only with lupa installed).
 
 The guarantees that depend on real Redis (reclaim timing, AOF restart, concurrent consumers) are proven in
 tests/integration/test_learner_queue.py.
@@ -12,6 +13,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis.asyncio as aioredis
 
 from rlfabric.common.streams import (
     BackpressureTimeout,
@@ -55,8 +57,8 @@ async def entries(redis: Any, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
 
 
 @pytest.fixture
-async def redis() -> AsyncIterator[fakeredis.FakeAsyncRedis]:
-    client = fakeredis.FakeAsyncRedis()
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
 
@@ -177,7 +179,7 @@ def test_clients_that_decode_responses_are_refused() -> None:
         GroupProducer(fakeredis.FakeAsyncRedis(decode_responses=True), RUN, 10)
 
 
-async def test_produce_read_ack_and_trim(redis: fakeredis.FakeAsyncRedis) -> None:
+async def test_produce_read_ack_and_trim(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     ids = [await producer.append(make_group(f"g{i}")) for i in range(4)]
     consumer = GroupConsumer(redis, RUN, "c1", expected_n=2)
@@ -191,7 +193,7 @@ async def test_produce_read_ack_and_trim(redis: fakeredis.FakeAsyncRedis) -> Non
     assert await redis.xlen(groups_key(RUN)) == 3
 
 
-async def test_duplicates_are_skipped_and_acked(redis: fakeredis.FakeAsyncRedis) -> None:
+async def test_duplicates_are_skipped_and_acked(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     for group_id in ["g0", "g1", "g0"]:
         await producer.append(make_group(group_id))
@@ -202,7 +204,7 @@ async def test_duplicates_are_skipped_and_acked(redis: fakeredis.FakeAsyncRedis)
     assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 1
 
 
-async def test_poison_and_invalid_go_to_dead_letter(redis: fakeredis.FakeAsyncRedis) -> None:
+async def test_poison_and_invalid_go_to_dead_letter(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     await redis.xgroup_create(groups_key(RUN), "learner", id="0", mkstream=True)
     await redis.xadd(groups_key(RUN), {b"data": b"\xff\xff\xff garbage"})
@@ -221,7 +223,7 @@ async def test_poison_and_invalid_go_to_dead_letter(redis: fakeredis.FakeAsyncRe
     assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 1
 
 
-async def test_caller_dead_letters_a_group_that_poisons_a_step(redis: fakeredis.FakeAsyncRedis) -> None:
+async def test_caller_dead_letters_a_group_that_poisons_a_step(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     await producer.append(make_group("g0"))
     consumer = GroupConsumer(redis, RUN, "c1")
@@ -234,7 +236,7 @@ async def test_caller_dead_letters_a_group_that_poisons_a_step(redis: fakeredis.
     assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 0
 
 
-async def test_backpressure_times_out_when_full(redis: fakeredis.FakeAsyncRedis) -> None:
+async def test_backpressure_times_out_when_full(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=2, poll_s=0.01)
     await producer.append(make_group("g0"))
     await producer.append(make_group("g1"))
@@ -247,7 +249,7 @@ async def test_backpressure_times_out_when_full(redis: fakeredis.FakeAsyncRedis)
 
 
 async def test_trim_waits_for_every_consumer_group_and_keeps_summaries(
-    redis: fakeredis.FakeAsyncRedis,
+    redis: aioredis.Redis,
 ) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     ids = [await producer.append(make_group(f"g{i}", version=i)) for i in range(3)]
