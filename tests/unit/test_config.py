@@ -7,8 +7,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from rlfabric.common.config import ConfigError, load_config
 from rlfabric.common.runspec import RunSpec
@@ -82,6 +85,73 @@ def test_missing_required_field_is_named(tmp_path: Path) -> None:
 def test_cross_field_rule_group_estimator_needs_two_samples(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"rollout\.sampling\.n must be >= 2"):
         load_config(RunSpec, path=write(tmp_path, "run.toml", RUN_TOML), overrides=["rollout.sampling.n=1"])
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("[train]\nmicro_batch_size = true", "train.micro_batch_size"),  # was coerced to 1
+        ('[train]\nsteps = "10"', "train.steps"),
+        ("[train]\ngroups_per_step = 8.0", "train.groups_per_step"),
+        ('[optim]\nlr = "0.1"', "optim.lr"),
+        ("[optim]\nlr = inf", "optim.lr"),
+        ("[optim]\nlr = nan", "optim.lr"),
+        ("[rollout]\ndynamic_sampling = 1", "rollout.dynamic_sampling"),
+        ("[train]\nseed = -1", "train.seed"),
+    ],
+)
+def test_run_spec_types_are_strict(tmp_path: Path, line: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(RunSpec, path=write(tmp_path, "run.toml", RUN_TOML + "\n" + line + "\n"))
+    assert field in str(info.value)
+
+
+def test_strict_types_still_take_ints_for_floats_and_lists_for_betas(tmp_path: Path) -> None:
+    extra = "[optim]\nlr = 1\nbetas = [0.9, 0.95]\n"
+    spec = load_config(RunSpec, path=write(tmp_path, "run.toml", RUN_TOML + extra))
+    assert spec.optim.lr == 1.0 and spec.optim.betas == (0.9, 0.95)
+    again = RunSpec.model_validate_json(spec.model_dump_json())  # as the coordinator stores it
+    assert again == spec
+
+
+@pytest.mark.parametrize("text", ["optim: {lr: 1e-6}", "optim: {lr: 1E-6}", "optim: {lr: 1.0e-6}"])
+def test_yaml_exponents_are_floats(tmp_path: Path, text: str) -> None:
+    """YAML 1.1 reads `1e-6` as a string, which strict floats would refuse: the loader reads YAML 1.2."""
+    spec = load_config(
+        RunSpec, path=write(tmp_path, "run.yaml", "model: {path: m}\ndataset: {path: d}\n" + text)
+    )
+    assert spec.optim.lr == 1e-6
+    assert (
+        load_config(RunSpec, overrides=["model.path=m", "dataset.path=d", "optim.lr=3e-4"]).optim.lr == 3e-4
+    )
+
+
+def int_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """Every int field of `model` and its nested models, by dotted path."""
+    found = []
+    for name, info in model.model_fields.items():
+        for kind in (info.annotation, *get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found += int_fields(kind, f"{prefix}{name}.")
+            elif kind is int:
+                found.append((f"{prefix}{name}", info))
+    return found
+
+
+def test_every_integer_of_the_run_spec_has_an_upper_bound() -> None:
+    fields = int_fields(RunSpec)
+    assert len(fields) >= 20 and "train.micro_batch_size" in dict(fields)
+    unbounded = [name for name, info in fields if not any(hasattr(m, "le") for m in info.metadata)]
+    assert unbounded == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model.max_model_len", 197_000_000_000_000_000_000_000), ("train.groups_per_step", 47_000_000_000_000)],
+)
+def test_absurd_sizes_are_refused(field: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(RunSpec, overrides=["model.path=m", "dataset.path=d", f"{field}={value}"])
 
 
 def test_broken_file_syntax_is_reported_with_the_path(tmp_path: Path) -> None:
