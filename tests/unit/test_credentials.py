@@ -3,7 +3,10 @@ warns, and the agreed credential of each service is where its variable puts it."
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +99,11 @@ def test_insecure_passes_and_warns(caplog: pytest.LogCaptureFixture) -> None:
         require_credentials("rollout", [Credential("learner_token", None)], insecure=True)
     [record] = caplog.records
     assert record.levelno == logging.WARNING and "--insecure" in record.getMessage()
+
+
+@pytest.mark.parametrize(("flags", "expected"), [((), False), (("--insecure",), True)])
+def test_serve_insecure_flag_sets_the_config_key(flags: tuple[str, ...], expected: bool) -> None:
+    argv = [sys.executable, "-m", "rlfabric.cli", "serve", "reward", *flags, "--print-config"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["insecure"] is expected
