@@ -95,6 +95,11 @@ class RewardServiceConfig(StrictModel):
     Anything else is refused with INVALID_ARGUMENT before any import."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """The code sandbox's limits; requests may only tighten them."""
+    judge_api_keys: dict[str, str] = Field(default_factory=dict)
+    """Environment variables an `llm_judge` request may name in `api_key_env`, each mapped to the base
+    URL its key may be sent to (the request's `base_url` must be that URL or below it), e.g.
+    {"JUDGE_API_KEY": "https://judge.internal/v1"}. Empty (the default): no request may use a key, so a
+    caller cannot send this process's environment to a URL of its choosing."""
 
     @field_validator("allowed_functions")
     @classmethod

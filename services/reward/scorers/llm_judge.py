@@ -19,7 +19,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import httpx
 from pydantic import Field, field_validator, model_validator
@@ -33,6 +33,7 @@ from rlfabric.reward.scorers.base import (
     ScorerParams,
     describe_exception,
 )
+from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.scorers.registry import register
 
 DEFAULT_TEMPLATE = """You are grading an answer to a question.
@@ -61,7 +62,8 @@ class LlmJudgeParams(ScorerParams):
     model: str
     """The model name sent in the request."""
     api_key_env: str | None = None
-    """Name of the environment variable holding the API key (sent as a Bearer token); None: no key."""
+    """Name of the environment variable holding the API key (sent as a Bearer token); None: no key. The
+    server's `judge_api_keys` must list it, with this `base_url`."""
     template: str = DEFAULT_TEMPLATE
     """The rubric; {prompt}, {completion} and {reference} are replaced, other braces are kept."""
     system_prompt: str | None = None
@@ -158,6 +160,14 @@ class LlmJudge(Scorer):
                 )
             self._headers["Authorization"] = f"Bearer {key}"
         self.url = params.base_url.rstrip("/") + "/chat/completions"
+
+    @classmethod
+    def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
+        """An API key is read only where the server's `judge_api_keys` allows it for this base URL."""
+        assert isinstance(params, LlmJudgeParams)
+        if params.api_key_env is not None:
+            policy.check_api_key(params.api_key_env, params.base_url)
+        return cls(params)
 
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         return asyncio.run(self.ascore_batch(items))

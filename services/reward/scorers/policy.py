@@ -9,7 +9,9 @@ A request names user code by reference (`python_function`'s `function`) and asks
 2. attribute paths never pass through a private name ("_x") or into another module, and the callable
    found must be defined where the allowlist allows (a function the allowed module merely imported,
    say `subprocess.run`, is refused), unless the entry names that exact function;
-3. a request's sandbox limits may only tighten the server's (`tighten`); unset ones take the server's.
+3. a request's sandbox limits may only tighten the server's (`tighten`); unset ones take the server's;
+4. an `llm_judge` request may name an environment variable holding an API key only where
+   `judge_api_keys` lists it, and may send it only to the base URL listed with it.
 
 `build_scorer` hands the policy to every scorer it builds; the pool sends it to each worker process
 first, so the workers build scorers under the same policy as the server process.
@@ -89,25 +91,40 @@ class ScorerPolicy:
 
     allowed_functions: tuple[str, ...] = ()
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    judge_api_keys: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: RewardServiceConfig) -> ScorerPolicy:
         """The policy of a service config, its directories resolved against this process's cwd."""
         allowlist = FunctionAllowlist.parse(config.allowed_functions)
         entries = [*allowlist.modules, *allowlist.functions, *(str(d) for d in allowlist.directories)]
-        return cls(tuple(entries), config.sandbox)
+        return cls(tuple(entries), config.sandbox, dict(config.judge_api_keys))
 
     @cached_property
     def allowlist(self) -> FunctionAllowlist:
         return FunctionAllowlist.parse(self.allowed_functions)
 
     def to_json(self) -> dict[str, Any]:
-        return {"allowed_functions": list(self.allowed_functions), "sandbox": self.sandbox.model_dump()}
+        return {
+            "allowed_functions": list(self.allowed_functions),
+            "sandbox": self.sandbox.model_dump(),
+            "judge_api_keys": dict(self.judge_api_keys),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ScorerPolicy:
         sandbox = SandboxConfig.model_validate(data["sandbox"])
-        return cls(tuple(data["allowed_functions"]), sandbox)
+        return cls(tuple(data["allowed_functions"]), sandbox, dict(data.get("judge_api_keys", {})))
+
+    def check_api_key(self, env: str, base_url: str) -> None:
+        """Raises `InvalidScorerSpec` unless `judge_api_keys` lets the key in `env` go to `base_url`."""
+        home = self.judge_api_keys.get(env)
+        if home is None:
+            raise InvalidScorerSpec("api_key_env", f"{env!r} is not in the server's judge_api_keys")
+        url, home = base_url.rstrip("/"), home.rstrip("/")
+        if url != home and not url.startswith(home + "/"):
+            reason = f"the key in {env!r} may only be sent to {home!r} (judge_api_keys), not {base_url!r}"
+            raise InvalidScorerSpec("base_url", reason)
 
 
 def check_attribute_path(attr: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""llm_judge against a loopback OpenAI-compatible server with canned judgements."""
+"""llm_judge against a loopback OpenAI-compatible server with canned judgements; API keys only where the
+server's `judge_api_keys` allow them."""
 
 import json
 import math
@@ -7,8 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlfabric.reward.scorers import build_scorer, run_scorer
+from rlfabric.reward.scorers import InvalidScorerSpec, build_scorer, run_scorer
 from rlfabric.reward.scorers.llm_judge import parse_score, render_template
+from rlfabric.reward.scorers.policy import ScorerPolicy
 
 CANNED = {
     "labelled": "The answer is correct but terse.\nScore: 8/10",
@@ -60,14 +62,18 @@ def judge_server():
     thread.join(5)
 
 
-def judge(server, **params):
+def base_url(server):
+    return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def judge(server, policy=None, **params):
     base = {
-        "base_url": f"http://127.0.0.1:{server.server_address[1]}/v1",
+        "base_url": base_url(server),
         "model": "tiny-judge",
         "template": 'Q: {prompt}\nREF: {reference}\nJSON example: {"score": 3}\nANSWER: {completion}',
         "backoff_s": 0.01,
     }
-    return build_scorer("llm_judge", {**base, **params})
+    return build_scorer("llm_judge", {**base, **params}, policy)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +145,9 @@ def test_unreachable_endpoint_is_an_error(item):
 
 def test_api_key_from_the_named_env_var(judge_server, item, monkeypatch):
     monkeypatch.setenv("RLF_TEST_JUDGE_KEY", "sk-test")
-    run_scorer(judge(judge_server, api_key_env="RLF_TEST_JUDGE_KEY", system_prompt="Be strict."), [item("x")])
+    policy = ScorerPolicy(judge_api_keys={"RLF_TEST_JUDGE_KEY": base_url(judge_server)})
+    scorer = judge(judge_server, policy, api_key_env="RLF_TEST_JUDGE_KEY", system_prompt="Be strict.")
+    run_scorer(scorer, [item("x")])
     request = judge_server.requests[0]
     assert request["auth"] == "Bearer sk-test"
     assert request["body"]["messages"][0] == {"role": "system", "content": "Be strict."}
@@ -148,3 +156,23 @@ def test_api_key_from_the_named_env_var(judge_server, item, monkeypatch):
 def test_many_items_concurrently(judge_server, item):
     results = run_scorer(judge(judge_server, concurrency=4), [item(f"n{i}") for i in range(20)])
     assert [r.reward for r in results] == [0.5] * 20
+
+
+@pytest.mark.parametrize(
+    ("env", "url", "field"),
+    [
+        ("HOME", "http://127.0.0.1:{port}/v1", "params.api_key_env"),  # not a listed key
+        ("RLF_TEST_JUDGE_KEY", "http://attacker.example/v1", "params.base_url"),
+        ("RLF_TEST_JUDGE_KEY", "http://127.0.0.1:{port}0/v1", "params.base_url"),  # a prefix, not a path
+    ],
+)
+def test_a_key_goes_only_where_the_server_allows(judge_server, monkeypatch, env, url, field):
+    """A caller must not make the service send an environment variable to a URL of its choosing."""
+    monkeypatch.setenv("RLF_TEST_JUDGE_KEY", "sk-test")
+    policy = ScorerPolicy(judge_api_keys={"RLF_TEST_JUDGE_KEY": base_url(judge_server)})
+    port = judge_server.server_address[1]
+    with pytest.raises(InvalidScorerSpec) as err:
+        judge(judge_server, policy, api_key_env=env, base_url=url.format(port=port))
+    assert err.value.field == field
+    with pytest.raises(InvalidScorerSpec, match="judge_api_keys"):
+        judge(judge_server, api_key_env="RLF_TEST_JUDGE_KEY")  # the default policy lists no key
