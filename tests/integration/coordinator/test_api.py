@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -11,11 +12,22 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import BaseModel
 from redis.asyncio import Redis
 
+from rlfabric.common.runspec import MAX_TOKENS
 from rlfabric.coordinator import runs_cli
-from rlfabric.coordinator.api import create_app
+from rlfabric.coordinator.api import (
+    ErrorBody,
+    HealthBody,
+    MetricsPage,
+    RunList,
+    RunStatus,
+    ValidationErrorBody,
+    create_app,
+)
 from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.manager import RunManager
 from rlfabric.coordinator.runs import RunRecord, RunStore
 
 TOKEN = "s3cret-token"
@@ -23,9 +35,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SPEC: dict[str, Any] = {"model": {"path": "tiny"}, "dataset": {"path": "prompts.jsonl"}}
 
 
-def make_config(redis_url: str, token: str | None = TOKEN) -> CoordinatorServiceConfig:
+def make_config(redis_url: str, token: str | None = TOKEN, **extra: Any) -> CoordinatorServiceConfig:
     return CoordinatorServiceConfig.model_validate(
-        {"api": {"token": token, "max_body_bytes": 4096}, "redis": {"url": redis_url}}
+        {"api": {"token": token, "max_body_bytes": 4096}, "redis": {"url": redis_url}, **extra}
     )
 
 
@@ -342,3 +354,285 @@ def test_cli_errors(served: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "HTTP 401" in capsys.readouterr().err
     assert cli("list", "--url", "http://127.0.0.1:1", "--token", TOKEN) == 2
     assert cli("submit", str(tmp_path / "missing.toml"), "--url", served) == 2
+
+
+# --- attacks: paths outside the roots, file contents in errors, absurd sizes, lax types, bad stream ids --
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """tmp/{data/prompts.jsonl, data/creds.json, models/m/, secrets/aws.json, data/escape -> secrets}."""
+    for folder in ("data", "models/m", "secrets"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "data" / "prompts.jsonl").write_text('{"prompt": "say x"}\n')
+    (tmp_path / "data" / "creds.json").write_text('{"aws_secret_access_key": "wJalrXUtnFEMI"}\n')
+    (tmp_path / "secrets" / "aws.json").write_text('{"aws_secret_access_key": "wJalrXUtnFEMI"}\n')
+    (tmp_path / "data" / "escape").symlink_to(tmp_path / "secrets")
+    return tmp_path
+
+
+@pytest.fixture
+async def confined(redis_url: str, redis: Redis, tree: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with data_roots = [tmp/data] and model_roots = [tmp/models], its runs driven by the real
+    RunManager (so a submitted run loads its dataset)."""
+    roots = {"data_roots": [str(tree / "data")], "model_roots": [str(tree / "models")]}
+    config = make_config(redis_url, **roots)
+    manager = RunManager(config, redis)
+    app = create_app(config, redis, on_submit=manager.on_submit, on_stop=manager.on_stop)
+    async with client_for(app) as c:
+        yield c
+    for task in manager.tasks.values():
+        task.cancel()
+
+
+def paths(tree: Path, dataset: str = "data/prompts.jsonl", **model: str) -> dict[str, Any]:
+    model_paths = {"path": str(tree / "models" / "m"), **{k: str(tree / v) for k, v in model.items()}}
+    return {"model": model_paths, "dataset": {"path": str(tree / dataset)}}
+
+
+@pytest.mark.parametrize(
+    ("dataset", "model", "field"),
+    [
+        ("secrets/aws.json", {}, "body.dataset.path"),  # exists, outside
+        ("secrets/missing.json", {}, "body.dataset.path"),  # does not exist, outside: the same answer
+        ("data/../secrets/aws.json", {}, "body.dataset.path"),
+        ("data/escape/aws.json", {}, "body.dataset.path"),  # a symlink in the root pointing out
+        ("data/prompts.jsonl", {"path": "secrets"}, "body.model.path"),
+        ("data/prompts.jsonl", {"reference_path": "models/../secrets"}, "body.model.reference_path"),
+        ("data/prompts.jsonl", {"critic_path": "data/escape"}, "body.model.critic_path"),
+    ],
+)
+async def test_paths_outside_the_roots_are_422_naming_the_field(
+    confined: httpx.AsyncClient, tree: Path, dataset: str, model: dict[str, str], field: str
+) -> None:
+    response = await confined.post("/v1/runs", json=paths(tree, dataset, **model), headers=AUTH)
+    assert response.status_code == 422, response.text
+    answer = response.json()
+    assert [".".join(map(str, e["loc"])) for e in answer["detail"]] == [field]
+    assert answer["detail"][0]["type"] == "path_not_allowed"
+    assert "aws" not in response.text and "missing" not in response.text and str(tree) not in response.text
+    assert (await confined.get("/v1/runs", headers=AUTH)).json()["runs"] == []  # nothing was stored
+
+
+async def test_probing_outside_the_roots_learns_nothing(confined: httpx.AsyncClient, tree: Path) -> None:
+    """An existing and a missing file outside the roots get byte-identical answers."""
+    there = await confined.post("/v1/runs", json=paths(tree, "secrets/aws.json"), headers=AUTH)
+    absent = await confined.post("/v1/runs", json=paths(tree, "secrets/nope.json"), headers=AUTH)
+    assert (there.status_code, there.content) == (absent.status_code, absent.content)
+
+
+async def test_paths_inside_the_roots_and_hub_ids_are_accepted(
+    confined: httpx.AsyncClient, tree: Path
+) -> None:
+    body = paths(tree, "data/prompts.jsonl", reference_path="models/m/../m")
+    assert (await confined.post("/v1/runs", json={**body, "name": "inside"}, headers=AUTH)).status_code == 201
+    hub = {**body, "name": "hub", "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}}
+    assert (await confined.post("/v1/runs", json=hub, headers=AUTH)).status_code == 201
+
+
+async def wait_final(client: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status = (await client.get(f"/v1/runs/{run_id}", headers=AUTH)).json()
+        if status["state"] in ("failed", "completed", "stopped"):
+            return dict(status)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run {run_id} did not finish: {status}")
+
+
+async def test_a_run_on_a_foreign_json_file_fails_without_its_keys(
+    confined: httpx.AsyncClient, tree: Path
+) -> None:
+    """The attack: a one-line JSON file (inside the roots) as the dataset; the run's error used to list its
+    top-level keys. Now it names the field and the problem only."""
+    body = {**paths(tree, "data/creds.json"), "name": "probe"}
+    assert (await confined.post("/v1/runs", json=body, headers=AUTH)).status_code == 201
+    status = await wait_final(confined, "probe")
+    assert status["state"] == "failed"
+    assert status["error"].startswith("dataset.prompt_field") and "row 1" in status["error"]
+    assert "aws_secret_access_key" not in status["error"] and "wJalr" not in status["error"]
+
+
+@pytest.mark.parametrize(
+    ("section", "fields", "field"),
+    [
+        (
+            "model",
+            {"path": "tiny", "max_model_len": 197_000_000_000_000_000_000_000},
+            "body.model.max_model_len",
+        ),
+        ("train", {"groups_per_step": 47_000_000_000_000}, "body.train.groups_per_step"),
+        ("train", {"micro_batch_size": True}, "body.train.micro_batch_size"),  # was coerced to 1
+        ("train", {"steps": "10"}, "body.train.steps"),
+        ("train", {"seed": 2**70}, "body.train.seed"),
+        ("optim", {"lr": "0.1"}, "body.optim.lr"),
+        ("rollout", {"dynamic_sampling": 1}, "body.rollout.dynamic_sampling"),
+        ("rollout", {"sampling": {"n": 4.0}}, "body.rollout.sampling.n"),
+    ],
+)
+async def test_absurd_sizes_and_lax_types_are_422(
+    client: httpx.AsyncClient, section: str, fields: dict[str, Any], field: str
+) -> None:
+    response = await client.post("/v1/runs", json={**SPEC, section: fields}, headers=AUTH)
+    assert response.status_code == 422, response.text
+    assert [".".join(map(str, e["loc"])) for e in response.json()["detail"]] == [field]
+
+
+async def test_sizes_at_the_bound_are_accepted(client: httpx.AsyncClient) -> None:
+    model = {"path": "tiny", "max_model_len": MAX_TOKENS}
+    assert (await client.post("/v1/runs", json={**SPEC, "model": model}, headers=AUTH)).status_code == 201
+    over = {**model, "max_model_len": MAX_TOKENS + 1}
+    assert (await client.post("/v1/runs", json={**SPEC, "model": over}, headers=AUTH)).status_code == 422
+
+
+@pytest.mark.parametrize(
+    "since",
+    [
+        "99999999999999999999999-0",  # the 500 (Redis: Invalid stream ID)
+        "18446744073709551616-0",  # 2**64
+        "1-18446744073709551616",
+        "x",
+        "-",
+        "+",
+        "1-2-3",
+        "",
+        "1" * 42,
+    ],
+)
+async def test_since_that_is_not_a_stream_id_is_422_naming_since(
+    client: httpx.AsyncClient, since: str
+) -> None:
+    await submit(client, name="s")
+    response = await client.get("/v1/runs/s/metrics", params={"since": since}, headers=AUTH)
+    assert response.status_code == 422, response.text
+    assert [e["loc"] for e in response.json()["detail"]] == [["query", "since"]]
+    assert "query.since" in response.json()["message"]
+
+
+@pytest.mark.parametrize("since", ["18446744073709551615-18446744073709551615", "18446744073709551615", "0"])
+async def test_since_at_the_ends_of_the_range_is_answered(
+    client: httpx.AsyncClient, redis: Redis, since: str
+) -> None:
+    await submit(client, name="ends")
+    await RunStore(redis).append_metrics("ends", {"step": 1})
+    response = await client.get("/v1/runs/ends/metrics", params={"since": since}, headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["rows"]) == (1 if since == "0" else 0)
+
+
+async def test_run_ids_are_bounded(client: httpx.AsyncClient) -> None:
+    for path in ("/v1/runs/" + "a" * 65, "/v1/runs/bad%20id", "/v1/runs/-x/metrics", "/v1/runs/.x/stop"):
+        method = "POST" if path.endswith("/stop") else "GET"
+        response = await client.request(method, path, headers=AUTH)
+        assert response.status_code == 422, path
+        assert response.json()["detail"][0]["loc"] == ["path", "run_id"]
+
+
+# --- the OpenAPI document against what the app answers ---------------------------------------------------
+
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m
+    for m in (ErrorBody, ValidationErrorBody, HealthBody, RunRecord, RunList, RunStatus, MetricsPage)
+}
+"""The document's schema names -> the models that check a response body."""
+
+TOO_LARGE = {"Content-Length": "5000", "Content-Type": "application/json"}
+
+
+async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.Response]]:
+    """Each route of the document, by (method, path template), and its answers to requests meant to draw
+    every status it can give: success, no token, a body over the limit, an unknown run, an invalid
+    input, a conflict."""
+    await submit(client, name="done")
+    await client.post("/v1/runs/done/stop", headers=AUTH)
+    await submit(client, name="live")
+
+    async def call(
+        method: str, path: str, headers: dict[str, str] | None = None, **kw: Any
+    ) -> httpx.Response:
+        return await client.request(method, path, headers=AUTH if headers is None else headers, **kw)
+
+    oversize = {"content": b"x" * 5000, "headers": {**AUTH, **TOO_LARGE}}
+    return {
+        ("post", "/v1/runs"): [
+            await call("POST", "/v1/runs", json={**SPEC, "name": "new"}),
+            await call("POST", "/v1/runs", {}, json=SPEC),
+            await call("POST", "/v1/runs", **oversize),
+            await call("POST", "/v1/runs", json={**SPEC, "name": "live"}),
+            await call("POST", "/v1/runs", json={**SPEC, "model": {"path": "/etc"}}),
+            await call("POST", "/v1/runs", json={**SPEC, "train": {"steps": True}}),
+        ],
+        ("get", "/v1/runs"): [
+            await call("GET", "/v1/runs"),
+            await call("GET", "/v1/runs", {}),
+            await call("GET", "/v1/runs", **oversize),
+            await call("GET", "/v1/runs", params={"limit": 0}),
+            await call("GET", "/v1/runs", params={"state": "nope"}),
+        ],
+        ("get", "/v1/runs/{run_id}"): [
+            await call("GET", "/v1/runs/live"),
+            await call("GET", "/v1/runs/live", {}),
+            await call("GET", "/v1/runs/live", **oversize),
+            await call("GET", "/v1/runs/nope"),
+            await call("GET", "/v1/runs/bad%20id"),
+        ],
+        ("get", "/v1/runs/{run_id}/metrics"): [
+            await call("GET", "/v1/runs/live/metrics"),
+            await call("GET", "/v1/runs/live/metrics", {}),
+            await call("GET", "/v1/runs/live/metrics", **oversize),
+            await call("GET", "/v1/runs/nope/metrics"),
+            await call("GET", "/v1/runs/live/metrics", params={"since": "99999999999999999999999-0"}),
+            await call("GET", "/v1/runs/live/metrics", params={"limit": 0}),
+        ],
+        ("post", "/v1/runs/{run_id}/stop"): [
+            await call("POST", "/v1/runs/live/stop"),
+            await call("POST", "/v1/runs/live/stop", {}),
+            await call("POST", "/v1/runs/live/stop", **oversize),
+            await call("POST", "/v1/runs/nope/stop"),
+            await call("POST", "/v1/runs/done/stop"),
+            await call("POST", "/v1/runs/" + "a" * 65 + "/stop"),
+        ],
+        ("get", "/healthz"): [await call("GET", "/healthz", {}), await call("GET", "/healthz", **oversize)],
+        ("get", "/metrics"): [await call("GET", "/metrics", {}), await call("GET", "/metrics", **oversize)],
+        ("get", "/runs/{run_id}"): [
+            await call("GET", "/runs/live", {}),
+            await call("GET", "/runs/live", **oversize),
+            await call("GET", "/runs/" + "a" * 65, {}),
+        ],
+    }
+
+
+def check_body(answer: httpx.Response, documented: dict[str, Any]) -> None:
+    """The answer's media type is documented for its status, and a JSON body validates as its model."""
+    content = documented.get("content", {})
+    media = answer.headers["content-type"].split(";")[0]
+    assert media in content, (answer.request.url, answer.status_code, media, list(content))
+    ref = content[media].get("schema", {}).get("$ref")
+    if ref:
+        BODY_MODELS[ref.rsplit("/", 1)[1]].model_validate(answer.json())
+
+
+async def unhealthy() -> httpx.Response:
+    """/healthz of an app whose Redis is gone: the 503."""
+    app = create_app(make_config("redis://127.0.0.1:1/0"))
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        return await c.get("/healthz")
+
+
+async def test_openapi_lists_every_answer_of_every_route(client: httpx.AsyncClient) -> None:
+    document = (await client.get("/openapi.json")).json()
+    answers = await probes(client)
+    answers[("get", "/healthz")].append(await unhealthy())
+    routes = {(method, path) for path, ops in document["paths"].items() for method in ops}
+    assert routes == set(answers)  # a route added without probes fails here
+    for (method, path), responses in answers.items():
+        documented = document["paths"][path][method]["responses"]
+        seen = {str(r.status_code) for r in responses}
+        assert seen == set(documented), (method, path, sorted(seen), sorted(documented))
+        for answer in responses:
+            check_body(answer, documented[str(answer.status_code)])
+
+
+async def test_healthz_names_the_kind_of_error_not_the_address() -> None:
+    answer = await unhealthy()
+    assert answer.json() == {"status": "unavailable", "redis": "ConnectionError"}
