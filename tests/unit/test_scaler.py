@@ -109,3 +109,38 @@ def test_policy_bounds_are_checked() -> None:
         ScalePolicy(0, 2)
     with pytest.raises(ValueError, match="min replicas"):
         ScalePolicy(3, 2)
+
+
+class RestartingSupervisor:
+    """A supervisor stand-in that is restarting every replica it watches."""
+
+    def __init__(self) -> None:
+        self.watched: list[Any] = []
+        self.forgotten: list[Any] = []
+
+    def alive(self, proc: Any) -> bool:
+        return proc.running() or proc in self.watched
+
+    def watch(self, proc: Any, ready: str) -> None:
+        self.watched.append(proc)
+
+    def forget(self, proc: Any) -> None:
+        self.forgotten.append(proc)
+
+
+def test_with_a_supervisor_a_dead_replica_is_restarted_not_replaced() -> None:
+    """A replica the supervisor restarts still counts: the scaler starts no second one for it; one it
+    adds is handed to the supervisor, and one it removes is taken back first."""
+    s = scaler(minimum=1, maximum=2)
+    supervisor = RestartingSupervisor()
+    s.supervisor = supervisor  # type: ignore[assignment]
+    supervisor.watched.append(s.replicas[0])
+    s.replicas[0].alive = False  # died; being restarted
+    for t in (0.0, 20.0, 40.0):
+        assert s.observe(1, t) is None
+    assert [p.name for p in s.replicas] == ["rollout-0"]
+    assert s.observe(2, 50.0) is None and s.observe(2, 60.0) is not None
+    settle(s)
+    assert supervisor.watched[-1] is s.replicas[-1]
+    assert s.observe(1, 61.0) is None and s.observe(1, 121.0) is not None
+    assert supervisor.forgotten == [supervisor.watched[-1]]
