@@ -84,6 +84,7 @@ def test_the_learner_trains_the_submitted_run_and_replicas_follow_it(tmp_path: P
 
 
 def test_the_coordinator_reaches_reward_and_reads_the_dataset(tmp_path: Path) -> None:
+    from rlfabric.common.paths import Roots, violations
     from rlfabric.common.runspec import RunSpec
 
     coordinator = config_of("coordinator", tmp_path)
@@ -93,6 +94,8 @@ def test_the_coordinator_reaches_reward_and_reads_the_dataset(tmp_path: Path) ->
     run = RunSpec.model_validate(yaml.safe_load((REPO / "deploy/compose/run.yaml").read_text()))
     mounts = [v.split(":")[1] for v in rlfabric_services()["coordinator"]["volumes"]]
     assert run.dataset.path in mounts
+    roots = Roots.of(coordinator["data_roots"], coordinator["model_roots"])
+    assert violations(run, roots) == []  # the coordinator accepts the run's paths
 
 
 def test_every_service_holds_its_credentials_and_both_ends_agree(tmp_path: Path) -> None:

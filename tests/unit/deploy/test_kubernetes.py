@@ -250,11 +250,17 @@ def test_every_service_holds_its_credentials_from_the_secret(overlay: str, tmp_p
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_coordinator_can_read_the_dataset_of_the_run(overlay: str) -> None:
+def test_the_coordinator_can_read_the_dataset_of_the_run(overlay: str, tmp_path: Path) -> None:
+    from rlfabric.common.paths import Roots, violations
+    from rlfabric.common.runspec import RunSpec
+
     objects = rendered(overlay)
     c = container(objects, "Deployment", "rlfabric-coordinator", "coordinator")
     dataset = run_spec(objects)["dataset"]["path"]
     assert any(dataset.startswith(m["mountPath"] + "/") for m in c.spec["volumeMounts"]), dataset
+    config = served_config(c, tmp_path)
+    roots = Roots.of(config["data_roots"], config["model_roots"])
+    assert violations(RunSpec.model_validate(run_spec(objects)), roots) == []  # it accepts the run's paths
 
 
 def test_cpu_dev_prompts_are_the_demo_prompts(tmp_path: Path) -> None:
