@@ -347,7 +347,7 @@ class RunPipeline:
                 with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
                     if samples is None:
                         samples = await self.generate_group(item, row)
-                    if samples:
+                    if samples:  # [] when dropped as invalid
                         await self.finish_group(item, row, samples, await self.score_held(row, samples))
                 break
             except Exception:
@@ -394,7 +394,7 @@ class RunPipeline:
             samples = [
                 s async for s in self.replicas.stub(address).Generate(request, timeout=GENERATE_TIMEOUT_S)
             ]
-            failed = False
+            failed = not samples
         except grpc.aio.AioRpcError as exc:
             if is_invalid_prompt(exc):
                 failed = False
@@ -402,6 +402,8 @@ class RunPipeline:
             raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             await self.replicas.release(address, failed=failed)
+        if failed:
+            raise ReplicaFailed(f"{address}: the stream ended without samples")
         return sorted(samples, key=lambda s: s.sample_index)
 
     async def score(self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]) -> list[ItemResult]:
