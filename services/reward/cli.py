@@ -51,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     score.add_argument("--item-timeout", type=float, default=10.0, help="seconds per item (default 10)")
     score.add_argument("--timeout", type=float, default=300.0, help="seconds per batch (default 300)")
     score.add_argument("--no-progress", action="store_true", help="no progress bar")
+    score.add_argument(
+        "--allow-function",
+        action="append",
+        default=[],
+        metavar="ENTRY",
+        help="in-process scoring: where python_function may load user code from (a module prefix, "
+        "'pkg.mod:attr' or a directory; repeatable), as the service's allowed_functions; default none",
+    )
     listing = verbs.add_parser("list", help="list the scorers and their parameters")
     listing.add_argument("--server", metavar="HOST:PORT", help="ask a running reward service")
     add_token_argument(listing)
@@ -128,7 +136,12 @@ def run_score(args: argparse.Namespace) -> int:
         if args.server:
             results = score_remote(args, spec, rows, bar)
         else:
-            results = asyncio.run(score_local(args, spec, rows, bar))
+            try:
+                results = asyncio.run(score_local(args, spec, rows, bar))
+            except InvalidScorerSpec as exc:
+                hint = " (see --allow-function)" if "allowed_functions" in str(exc) else ""
+                print(f"rlfabric reward score: {exc}{hint}", file=sys.stderr)
+                return 2
     write_rows(args.output, rows, results)
     print_summary(results, time.perf_counter() - start)
     return 0
@@ -148,11 +161,15 @@ def score_remote(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]]
 async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]], bar: Any) -> list[Any]:
     from rlfabric.reward.client import to_input
     from rlfabric.reward.config import RewardServiceConfig
+    from rlfabric.reward.scorers.policy import ScorerPolicy
     from rlfabric.reward.service import RewardEngine
 
-    inline = RewardServiceConfig().inline_scorers
+    config = RewardServiceConfig(allowed_functions=args.allow_function)
     engine = RewardEngine(
-        workers=args.workers or os.cpu_count() or 1, item_timeout_s=args.item_timeout, inline=inline
+        workers=args.workers or os.cpu_count() or 1,
+        item_timeout_s=args.item_timeout,
+        inline=config.inline_scorers,
+        policy=ScorerPolicy.from_config(config),
     )
     await engine.start()
     try:

@@ -212,3 +212,18 @@ def test_a_program_that_hits_a_limit_is_told_which(
     [result] = response.results
     assert result.reward.status == common_pb2.REWARD_STATUS_OK and result.reward.value == 0.0
     assert message in result.reward.message
+
+
+def test_in_process_cli_scoring_needs_an_allow_function_too(places: dict[str, Path], tmp_path: Path) -> None:
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"id": "a", "prompt": "q", "completion": "abc"}) + "\n")
+    params = json.dumps({"function": f"{places['root']}/allowed/good.py:reward"})
+    argv = [sys.executable, "-m", "rlfabric.cli", "reward", "score", "--input", str(rows), "--output",
+            str(tmp_path / "out.jsonl"), "--scorer", "python_function", "--params", params, "--workers", "1",
+            "--no-progress"]  # fmt: skip
+    denied = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert denied.returncode == 2 and "not in allowed_functions" in denied.stderr, denied.stderr
+    allow = ["--allow-function", str(places["root"] / "allowed")]
+    allowed = subprocess.run([*argv, *allow], capture_output=True, text=True, timeout=120)
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text())["reward"] == 3.0
