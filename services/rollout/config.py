@@ -32,7 +32,9 @@ class EngineConfig(StrictModel):
     worker_wait: Literal["auto", "spin", "block"] = "auto"
     """How vLLM's engine core and model worker wait for each other: `spin` polls (shortest wait: right when
     the worker computes on a GPU), `block` sleeps until the message arrives (on a CPU the spinning takes
-    cycles from the worker's threads on the same cores); auto is block on CPU, spin on GPU."""
+    cycles from the worker's threads on the same cores), re-reading the queue at most every half of the
+    time waited so far (1 ms to 1 s), so a lost wake-up costs milliseconds, not vLLM's 5 s; auto is block
+    on CPU, spin on GPU."""
 
 
 class RolloutServiceConfig(StrictModel):
