@@ -108,6 +108,7 @@ _STDERR_SIGNS = (
     (("MemoryError",), "memory limit ({memory_mb} MB) exceeded"),
     (("BlockingIOError", "can't start new thread"), "process limit ({max_processes}) reached"),
     (("Too many open files",), "open file limit ({max_open_files}) reached"),
+    (("File too large",), "file size limit ({file_size_mb} MB) exceeded"),  # Python ignores SIGXFSZ
 )
 
 

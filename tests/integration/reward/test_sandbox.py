@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlfabric.reward.scorers import ScoreInput, build_scorer, run_scorer, sandbox
-from rlfabric.reward.scorers.sandbox import SandboxLimits, probe_isolation, run_python
+from rlfabric.reward.scorers.sandbox import SandboxLimits, limit_exceeded, probe_isolation, run_python
 
 ISOLATION = probe_isolation()
 pytestmark = pytest.mark.skipif(ISOLATION.mode == "none", reason=f"no sandbox isolation: {ISOLATION.detail}")
@@ -218,6 +218,7 @@ def test_big_files_and_output_floods_are_limited():
     assert run.stdout.split()[:2] == ["limited", "27"]  # EFBIG
     flood = run_python("print('x' * 50 * 2**20)\n", limits=FAST)
     assert flood.returncode != 0 and len(flood.stdout) <= FAST.file_size_mb * 2**20
+    assert limit_exceeded(flood, FAST) == "file size limit (1 MB) exceeded"
 
 
 def test_items_run_concurrently_with_separate_sandboxes():
