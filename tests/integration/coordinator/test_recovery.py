@@ -139,7 +139,8 @@ async def test_reward_outage_holds_samples_and_an_invalid_prompt_is_dropped(
         reward.stop()
         replica.stop()
     found = await counters(redis)
-    assert found.get("redispatches", 0) == 0, found  # neither the outage nor the long prompt blamed the replica
+    # neither the outage nor the long prompt blamed the replica
+    assert found.get("redispatches", 0) == 0, found
     assert found["samples_generated"] <= N * found["prompts_dispatched"], found  # nothing generated twice
     drops = [
         {k.decode(): v.decode() for k, v in f.items()}
