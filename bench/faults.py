@@ -59,11 +59,14 @@ from common import (
 
 SCENARIOS = ("none", "learner", "replica", "reward", "coordinator", "redis")
 RUN_ID = "faults"
-REWARD_FILE = '''"""The demo's reward, as a file the reward service loads from the run file's own folder."""
+REWARD_FILE = '''"""The demo's reward, as a function defined in a file of the run file's own folder (the folder `up`
+allows): a name merely re-exported from another module is refused as that module's."""
 
-from rlfabric.coordinator.demo import letter_reward
+from rlfabric.coordinator import demo
 
-__all__ = ["letter_reward"]
+
+def letter_reward(prompts, completions, **columns):
+    return demo.letter_reward(prompts, completions, **columns)
 '''
 
 

@@ -22,6 +22,7 @@ transformers reference engine to prove the code path; its figures mean nothing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -62,13 +63,16 @@ def run_file(run_dir: Path, staleness: int, steps: int) -> Path:
     return path
 
 
-def run_once(staleness: int, steps: int, *, engine: str, workdir: Path) -> dict[str, Any]:
+def run_once(staleness: int, steps: int, *, engine: str, workdir: Path, quick: bool) -> dict[str, Any]:
     """One `rlfabric up`; the figures of its metrics rows."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"busy-s{staleness}-", dir=workdir))
     argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file(run_dir, staleness, steps))]
     argv += ["--run-dir", str(run_dir), "--no-progress", "--engine", engine]
+    # The learner copies the coordinator's latest exported busy fraction into its rows; a quick run ends
+    # within one default export interval (2 s), so it exports more often.
+    env = {**os.environ, "RLFABRIC_COORDINATOR__SCALING__INTERVAL_S": "0.2"} if quick else None
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False, env=env)
     (run_dir / "up.out").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"rlfabric up failed ({proc.returncode}); see {run_dir / 'up.out'}")
@@ -77,7 +81,7 @@ def run_once(staleness: int, steps: int, *, engine: str, workdir: Path) -> dict[
 
 
 def figures(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    last = rows[-1]
+    last = {k: v for row in rows if "event" not in row for k, v in row.items()}  # latest value of each key
     steady = rows[2:] if len(rows) > 3 else rows
     span = steady[-1]["time"] - steady[0]["time"]
     seconds_per_step = span / max(len(steady) - 1, 1) if len(steady) > 1 else float("nan")
@@ -94,13 +98,15 @@ def figures(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     }
 
 
-def measure(repeats: int, steps: int, engine: str, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+def measure(
+    repeats: int, steps: int, engine: str, workdir: Path, quick: bool
+) -> dict[str, list[dict[str, Any]]]:
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for k in range(repeats):
         order = list(MODES) if k % 2 == 0 else list(reversed(MODES))
         for mode in order:
             print(f"repeat {k + 1}/{repeats}: {mode} ...", flush=True)
-            results[mode].append(run_once(MODES[mode], steps, engine=engine, workdir=workdir))
+            results[mode].append(run_once(MODES[mode], steps, engine=engine, workdir=workdir, quick=quick))
             print(f"  {results[mode][-1]}", flush=True)
     return results
 
@@ -147,7 +153,7 @@ def main() -> int:
     steps = 2 if args.quick else args.steps
     engine = "transformers" if args.quick else "vllm"
     with tempfile.TemporaryDirectory(prefix="rollout-busy-") as workdir:
-        results = measure(effective_repeats(args), steps, engine, Path(workdir))
+        results = measure(effective_repeats(args), steps, engine, Path(workdir), args.quick)
     markdown = report(results, args, steps, engine)
     busy = {mode: stats_of(runs, "busy_fraction", "fraction") for mode, runs in results.items()}
     payload = {

@@ -71,6 +71,17 @@ INVALID_PROMPT_FIELD = "prompts["
 DROP_INVALID_PROMPT = "invalid_prompt"
 """Drop reason (ledger outcome `dropped:invalid_prompt`, counter `dropped_invalid_prompt`)."""
 REWARD_WARNING = "reward service unreachable"
+REWARD_REFUSAL = "reward service refuses the run's scorer"
+REFUSAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+"""Score failures that are the run's configuration, not an outage: the warning gives the service's reason
+(retrying goes on, so a reward service restarted with the right settings picks the run up)."""
 """Start of the run-status warning shown while Score calls fail."""
 
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
@@ -153,6 +164,14 @@ class ReplicaFailed(RuntimeError):
 class InvalidPrompt(ValueError):
     """The replica refused the prompt itself (too long for the context, empty): drop the group, never
     retry it and never blame the replica."""
+
+
+def reward_warning(error: grpc.aio.AioRpcError) -> str:
+    """The run-status warning for a failed Score call: a refusal names the service's reason (the field and
+    why, never file contents: the reward service's messages are written so), an outage its status code."""
+    if error.code() in REFUSAL_CODES:
+        return f"{REWARD_REFUSAL} ({error.code().name}): {error.details()}; groups hold their samples"
+    return f"{REWARD_WARNING} ({error.code().name}); groups hold their samples"
 
 
 def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
@@ -438,9 +457,7 @@ class RunPipeline:
     async def reward_outage(self, error: grpc.aio.AioRpcError | None) -> None:
         """Keeps the run's reward-outage warning in step with the last Score call (None: it succeeded).
         A pipeline without a run record (driven directly, as in tests) has no status to warn in."""
-        warning = None
-        if error is not None:
-            warning = f"{REWARD_WARNING} ({error.code().name}); groups hold their samples"
+        warning = None if error is None else reward_warning(error)
         if warning == self.reward_warning:
             return
         async with self.warning_lock:

@@ -143,3 +143,18 @@ def test_e2e_trl_bench_quick(tmp_path: Path) -> None:
     ready = result["runs"]["rlfabric"][0]["ready_s"]
     assert {"redis", "reward", "rollout-0", "learner", "coordinator"} <= set(ready)
     assert all(seconds >= 0 for seconds in ready.values()) and result["compile_cache"] == "cold"
+
+
+@pytest.mark.vllm
+def test_rollout_memory_bench_quick(tmp_path: Path) -> None:
+    """A real replica process loads each published version (the bench asserts it served it) and every
+    process of its tree is sampled: the front end, vLLM's engine core and its worker."""
+    result = run_quick("rollout_memory", tmp_path, timeout=600)
+    assert result["quick"] is True and result["versions"] == 6
+    assert [s["version"] for s in result["samples"]] == [0, 2, 4, 6]
+    processes = result["summary"]["processes"]
+    assert {"front end", "VLLM::EngineCore", "VLLM::Worker", "tree"} <= set(processes)
+    tree = processes["tree"]["pss"]
+    assert tree["end_mib"] > processes["VLLM::Worker"]["pss"]["end_mib"] > 0
+    assert isinstance(result["goal_met"], bool)
+    assert (tmp_path / "rollout_memory.png").stat().st_size > 0
