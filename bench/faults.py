@@ -59,8 +59,8 @@ from common import (
 
 SCENARIOS = ("none", "learner", "replica", "reward", "coordinator", "redis")
 RUN_ID = "faults"
-REWARD_FILE = '''"""The demo's reward, as a function defined in a file of the run file's own folder (the folder `up`
-allows): a name merely re-exported from another module is refused as that module's."""
+REWARD_FILE = '''"""The demo's reward, as a function defined in a file of the run file's own folder (the
+folder `up` allows): a name merely re-exported from another module is refused as that module's."""
 
 from rlfabric.coordinator import demo
 
