@@ -200,7 +200,17 @@ class AlgorithmSpec(SpecModel):
     gspo: bool = False
     """Use the sequence-level (geometric mean) importance ratio of GSPO."""
     tis_cap: float | None = Field(default=2.0, gt=0.0)
-    """Truncated importance sampling cap against the rollout logprobs; None disables the correction."""
+    """Upper bound of the rollout correction's per-token weight `p_trainer / p_engine` (TIS's cap); None
+    disables the correction."""
+    rollout_correction: Literal["truncate", "mask_token", "mask_sequence"] = "truncate"
+    """How the engine's log-probs correct the trainer/engine mismatch and the policy lag of asynchronous
+    runs (with `old_policy = "trainer"`). `truncate` (TIS): weight each token by `min(w, tis_cap)`.
+    `mask_token` (IcePop, token-level MIS): weight by `w` inside `[rollout_mask_low, tis_cap]`, drop the
+    token's gradient outside. `mask_sequence` (sequence-level MIS): drop whole samples whose geometric-mean
+    `w` leaves that range, truncate the rest. The masks keep one- or two-step-stale samples from pushing
+    tokens the policy has moved away from."""
+    rollout_mask_low: float = Field(default=0.5, gt=0.0, lt=1.0)
+    """Lower bound of the weight the `mask_*` corrections keep."""
     old_policy: Literal["trainer", "rollout"] = "trainer"
     """The policy the PPO ratio is taken against. `trainer`: the learner's own log-probs before the
     step (a ratio of 1 with one epoch), and TIS corrects for the engine's samples. `rollout`: the
@@ -225,6 +235,15 @@ class AlgorithmSpec(SpecModel):
     value_clip: float | None = Field(default=0.2, gt=0.0)
     """The critic's new values may move at most this far from the old ones in the value loss (PPO2's
     value clipping, on the raw return scale); None disables it (gae only)."""
+
+    @model_validator(mode="after")
+    def _masks_have_bounds(self) -> AlgorithmSpec:
+        if self.rollout_correction != "truncate" and (self.tis_cap is None or self.tis_cap <= 1.0):
+            raise ValueError(
+                f"algorithm.tis_cap must be > 1 with rollout_correction {self.rollout_correction!r}: it is "
+                f"the upper bound of the weights kept (got {self.tis_cap})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gae_trains_a_critic(self) -> AlgorithmSpec:
@@ -317,7 +336,9 @@ class PreferenceSpec(SpecModel):
     """Column with the dispreferred completion (a string)."""
 
 
-HealthCheck = Literal["reward_hacking", "overfitting", "entropy_collapse", "response_length"]
+HealthCheck = Literal[
+    "reward_hacking", "overfitting", "entropy_collapse", "response_length", "rollout_mismatch"
+]
 """The run-health checks (see `rlfabric.coordinator.health`)."""
 
 
@@ -350,6 +371,14 @@ class HealthThresholds(SpecModel):
     """Length collapse: recent mean response length below this fraction of the first window's..."""
     length_min_tokens: float = Field(default=2.0, ge=0.0)
     """...or below this many tokens."""
+    mismatch_kl_max: float = Field(default=0.05, gt=0.0)
+    """Rollout mismatch: the recent mean KL between the engine's and the trainer's token distributions
+    (`rollout_mismatch_kl`, nats per token) above this: stale samples or a precision/kernel gap the
+    rollout correction is straining to cover..."""
+    mismatch_drift_factor: float = Field(default=10.0, gt=1.0)
+    """...or above this multiple of its first window's mean..."""
+    mismatch_floor: float = Field(default=0.005, ge=0.0)
+    """...once it is at least this large (a drift from ~0 must reach a real size)."""
 
 
 class HealthSpec(HealthThresholds):

@@ -7,7 +7,9 @@ string when the series shows a known failure pattern of RL post-training:
 - reward hacking: KL to the reference and the training reward jump together;
 - overfitting: the training reward rises while the held-out reward falls;
 - entropy collapse: the policy became (nearly) deterministic;
-- response length runaway or collapse: completions grow towards the limit or shrink to nothing.
+- response length runaway or collapse: completions grow towards the limit or shrink to nothing;
+- rollout mismatch: the engine's and the trainer's token distributions drift apart (`rollout_mismatch_kl`:
+  samples too stale for the learning rate, or an engine/trainer precision gap).
 
 Recent values are means over the last `window` rows, so that one noisy step does not warn.
 
@@ -151,6 +153,27 @@ def _length_problem(
     return None
 
 
+def check_rollout_mismatch(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """Recent engine/trainer mismatch above the absolute bound, or drifted far above its start."""
+    mismatch = series(rows, "rollout_mismatch_kl")
+    if len(mismatch) < t.window:
+        return None
+    start, now = _mean(mismatch[: t.window]), _mean(mismatch[-t.window :])
+    since = mismatch[-t.window][0]
+    if now > t.mismatch_kl_max:
+        message = (
+            f"rollout mismatch: engine and trainer disagree by {now:.3g} nats/token of KL (above "
+            f"{t.mismatch_kl_max:g}); samples may be too stale for the learning rate (max_staleness, "
+            "algorithm.rollout_correction)"
+        )
+        return HealthWarning("rollout_mismatch", message, since)
+    drifted = len(mismatch) >= 2 * t.window and now >= t.mismatch_floor
+    if drifted and now > t.mismatch_drift_factor * start:
+        message = f"rollout mismatch drifting: engine/trainer KL rose {start:.3g} -> {now:.3g} nats/token"
+        return HealthWarning("rollout_mismatch", message, since)
+    return None
+
+
 def health_warnings(
     rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
 ) -> list[HealthWarning]:
@@ -161,6 +184,7 @@ def health_warnings(
         check_overfitting(rows, t),
         check_entropy_collapse(rows, t),
         check_response_length(rows, t, max_tokens),
+        check_rollout_mismatch(rows, t),
     ]
     return [warning for warning in found if warning]
 

@@ -33,7 +33,13 @@ def sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.de
 
 
 TOKEN_MEANS = ("kl", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean")
-TOKEN_MEANS_OPTIONAL = ("tis_weight_mean", "tis_capped_fraction")
+TOKEN_MEANS_OPTIONAL = (
+    "tis_weight_mean",
+    "tis_capped_fraction",
+    "rollout_masked_fraction",
+    "rollout_mismatch_kl",
+    "rollout_logprob_abs_diff",
+)
 
 
 def mean_std(total: float, squares: float, count: float) -> tuple[float, float]:

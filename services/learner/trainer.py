@@ -45,6 +45,7 @@ from rlfabric.learner.algorithms import (
     masked_sum,
     overlong_penalty,
     policy_loss,
+    rollout_mismatch,
 )
 from rlfabric.learner.batch import (
     GroupSamples,
@@ -77,6 +78,8 @@ def policy_loss_config(spec: RunSpec) -> PolicyLossConfig:
         dual_clip=algo.dual_clip,
         gspo=algo.gspo,
         tis_cap=algo.tis_cap,
+        rollout_correction=algo.rollout_correction,
+        mask_low=algo.rollout_mask_low,
         aggregation=algo.loss_aggregation,
         max_tokens=spec.rollout.sampling.max_tokens,
     )
@@ -394,6 +397,7 @@ class Trainer:
         pg_loss, stats = policy_loss(
             logp, old_logp, mb.extras["advantages"], mask, self.loss_config, rollout_logp
         )
+        stats.update(rollout_mismatch(logp, mb.rollout_logprobs, mask))
         kl_tokens = self._kl_tokens(logp, mb)
         loss = pg_loss + self._kl_loss(kl_tokens, mask) + self._entropy_loss(entropy, mask)
         weight = self._weight(mb, global_count)

@@ -24,7 +24,7 @@ from rlfabric.learner.algorithms.kl import (
     apply_kl_penalty,
     make_kl_controller,
 )
-from rlfabric.learner.algorithms.policy_loss import PolicyLossConfig, policy_loss
+from rlfabric.learner.algorithms.policy_loss import PolicyLossConfig, policy_loss, rollout_mismatch
 from rlfabric.learner.algorithms.preference import PREFERENCE_LOSSES, dpo_loss, ipo_loss
 from rlfabric.learner.algorithms.shaping import is_truncated, mask_truncated, overlong_penalty
 from rlfabric.learner.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
@@ -61,5 +61,6 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "rloo_advantages",
+    "rollout_mismatch",
     "value_loss",
 ]

@@ -9,9 +9,16 @@ Per token, with importance ratio `rho = pi(y_t) / pi_old(y_t)` and advantage `A`
   `exp(mean_t log(pi / pi_old))`, clipped as a whole. It is written in the GSPO-token form
   `sg[s] * pi / sg[pi]`, equal in value to `s` and, with advantages constant along a response and the
   `seq_mean_token_mean` aggregation, equal in gradient to the sequence-level objective.
-- TIS (truncated importance sampling): the samples came from the inference engine, whose log-probs
-  (`rollout_logp`) differ from the trainer's `old_logp` (kernels, precision, off-policy lag). Each token's
-  loss is weighted by `min(exp(old_logp - rollout_logp), cap)`, a constant of the gradient.
+- Rollout correction: the samples came from the inference engine, whose log-probs (`rollout_logp`)
+  differ from the trainer's `old_logp` (kernels, precision, policy lag in asynchronous runs). With
+  `w = exp(old_logp - rollout_logp)` per token, each token's loss is weighted by a constant of the
+  gradient (`ROLLOUT_CORRECTIONS`):
+  - `truncate`, TIS (Yao et al. 2025): `min(w, cap)`;
+  - `mask_token`, IcePop (Ling team 2025) / token-level MIS: `w` where `low <= w <= cap`, else 0: a token
+    whose engine and trainer probabilities disagree by more than the bounds teaches nothing, instead
+    of a capped but still biased push;
+  - `mask_sequence`, sequence-level MIS (Liu et al. 2025): a sample whose geometric-mean weight
+    `exp(mean_t log w)` leaves `[low, cap]` is dropped whole; the others are truncated as by TIS.
 The per-token loss is then reduced by one of `AGGREGATIONS`.
 
 The log-ratio `log(pi / pi_old)` is clamped to +-LOG_RATIO_CLAMP (20, as verl) before `exp`, a plain
@@ -35,6 +42,7 @@ from rlfabric.learner.algorithms.aggregation import aggregate
 from rlfabric.learner.algorithms.utils import masked_mean
 
 LOG_RATIO_CLAMP = 20.0
+ROLLOUT_CORRECTIONS = ("truncate", "mask_token", "mask_sequence")
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,12 @@ class PolicyLossConfig:
     gspo: bool = False
     """Use GSPO's sequence-level ratio."""
     tis_cap: float | None = None
-    """Cap of the truncated importance weight; None disables TIS even if rollout log-probs are given."""
+    """Upper bound of the rollout-correction weight; None disables the correction even if rollout
+    log-probs are given."""
+    rollout_correction: str = "truncate"
+    """A name in ROLLOUT_CORRECTIONS."""
+    mask_low: float = 0.5
+    """Lower bound of the weight kept by the `mask_*` corrections."""
     aggregation: str = "token_mean"
     """A name in AGGREGATIONS."""
     max_tokens: int | None = None
@@ -93,6 +106,39 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> tuple[Ten
     return raw.clamp(max=cap), raw > cap
 
 
+def rollout_weights(
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> tuple[Tensor, Tensor]:
+    """The rollout correction's per-token weights (detached) and where they were bounded: capped
+    (`truncate`) or masked to 0 (`mask_*`). All (B, T); see the module docstring."""
+    assert config.tis_cap is not None
+    cap, low = config.tis_cap, config.mask_low
+    if config.rollout_correction == "truncate":
+        return tis_weights(old_logp, rollout_logp, cap)
+    log_w = (old_logp - rollout_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    raw = log_w.exp()
+    if config.rollout_correction == "mask_token":
+        outside = (raw < low) | (raw > cap)
+        return torch.where(outside, torch.zeros_like(raw), raw), outside
+    if config.rollout_correction == "mask_sequence":
+        seq = masked_mean(log_w, mask, dim=-1).exp().unsqueeze(-1)  # (B, 1)
+        outside = ((seq < low) | (seq > cap)).expand_as(raw)
+        return torch.where(outside, torch.zeros_like(raw), raw.clamp(max=cap)), outside
+    raise ValueError(f"rollout_correction: {config.rollout_correction!r} is not one of {ROLLOUT_CORRECTIONS}")
+
+
+def rollout_mismatch(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's: `rollout_mismatch_kl`,
+    the k3 estimate of KL(engine || trainer) per token (`w - 1 - log w` with `w = p_trainer / p_engine`,
+    unbiased under the engine's samples), and `rollout_logprob_abs_diff`, the mean `|log w|`. Both are 0
+    when the two agree. `logp`, `rollout_logp`, `mask`: (B, T); scalars out, detached."""
+    log_w = (logp.detach() - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "rollout_mismatch_kl": masked_mean(torch.expm1(log_w) - log_w, mask),
+        "rollout_logprob_abs_diff": masked_mean(log_w.abs(), mask),
+    }
+
+
 def _ratio_stats(log_ratio: Tensor, ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Ratio mean/max and `approx_kl` (k3 estimate of KL(pi_old || pi)) over the valid tokens."""
     valid = mask.bool()
@@ -115,9 +161,10 @@ def policy_loss(
 
     `logp` (B, T): the current policy's log-probs of the sampled tokens (with gradient); `old_logp`
     (B, T): the trainer's log-probs before this step's updates; `advantages`, `mask` (B, T);
-    `rollout_logp` (B, T): the inference engine's log-probs, for TIS. Returns the scalar loss and
-    detached scalar stats: clip_fraction, dual_clip_fraction, approx_kl, ratio_mean, ratio_max and, with
-    TIS, tis_weight_mean and tis_capped_fraction.
+    `rollout_logp` (B, T): the inference engine's log-probs, for the rollout correction. Returns the
+    scalar loss and detached scalar stats: clip_fraction, dual_clip_fraction, approx_kl, ratio_mean,
+    ratio_max and, with the correction, tis_weight_mean and tis_capped_fraction (`truncate`: the share of
+    tokens whose weight was capped) or rollout_masked_fraction (`mask_*`: the share of tokens dropped).
     """
     log_ratio = importance_log_ratio(logp, old_logp.detach(), mask, config.gspo)
     ratio = log_ratio.exp()
@@ -126,9 +173,12 @@ def policy_loss(
     stats["clip_fraction"] = masked_mean(clipped.to(loss.dtype), mask)
     stats["dual_clip_fraction"] = masked_mean(dual_clipped.to(loss.dtype), mask)
     if rollout_logp is not None and config.tis_cap is not None:
-        weights, capped = tis_weights(old_logp, rollout_logp, config.tis_cap)
+        weights, bounded = rollout_weights(old_logp, rollout_logp, mask, config)
         loss = loss * weights
         stats["tis_weight_mean"] = masked_mean(weights, mask)
-        stats["tis_capped_fraction"] = masked_mean(capped.to(loss.dtype), mask)
+        truncated = config.rollout_correction == "truncate"
+        stats["tis_capped_fraction" if truncated else "rollout_masked_fraction"] = masked_mean(
+            bounded.to(loss.dtype), mask
+        )
     total = aggregate(loss, mask, config.aggregation, config.max_tokens)
     return total, {name: value.detach() for name, value in stats.items()}

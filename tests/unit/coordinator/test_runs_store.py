@@ -16,6 +16,7 @@ from rlfabric.coordinator.health import (
     check_overfitting,
     check_response_length,
     check_reward_hacking,
+    check_rollout_mismatch,
     run_health,
 )
 from rlfabric.coordinator.runs import COUNTERS, InvalidTransition, RunExists, RunNotFound, RunStore
@@ -146,6 +147,7 @@ def test_healthy_series_has_no_warnings() -> None:
         reward_mean=[0.3 + 0.005 * i for i in range(20)],
         entropy=[0.8] * 20,
         response_length_mean=[100.0] * 20,
+        rollout_mismatch_kl=[1e-4] * 20,
     )
     assert run_health(steady, T, max_tokens=256) == []
     assert run_health([], T) == []
@@ -185,6 +187,17 @@ def test_response_length_runaway_and_collapse() -> None:
     assert "collapse" in said(check_response_length(shrink, T))
     assert "max_tokens" in said(check_response_length(near_limit, T, max_tokens=256))
     assert check_response_length(near_limit, T) is None
+
+
+def test_rollout_mismatch_above_the_bound_or_drifting() -> None:
+    high = rows_of(rollout_mismatch_kl=[0.2] * 5)
+    drift = rows_of(rollout_mismatch_kl=[1e-3] * 5 + [0.02] * 5)
+    drift_from_nothing = rows_of(rollout_mismatch_kl=[1e-6] * 5 + [1e-4] * 5)
+    assert "nats/token" in said(check_rollout_mismatch(high, T))
+    assert "drifting" in said(check_rollout_mismatch(drift, T))
+    assert check_rollout_mismatch(drift_from_nothing, T) is None  # 100x, but below the floor
+    assert check_rollout_mismatch(high[:4], T) is None  # too short
+    assert check_rollout_mismatch(high, HealthThresholds(window=5, mismatch_kl_max=0.5)) is None
 
 
 def test_thresholds_are_configurable() -> None:
