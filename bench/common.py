@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rlfabric.common.hardware import cpu_description
+
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUTPUT_DIR = BENCH_DIR / "results"
 
@@ -103,6 +105,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "packages": {name: package_version(name) for name in ("grpcio", "protobuf", "math-verify", "torch")},
     }
 
@@ -139,8 +142,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 def machine_line(machine: dict[str, Any]) -> str:
     """One line describing the machine, for the top of a markdown report."""
     packages = ", ".join(f"{k} {v}" for k, v in machine["packages"].items() if v)
+    cpu = machine.get("cpu") or {}
+    features = ", ".join(cpu.get("features", [])) or "no AVX2/AVX-512/AMX"
     return (
-        f"{machine['cpu_count']} CPUs (load {machine['load_avg_1m']:.2f} at start), "
+        f"{machine['cpu_count']} CPUs: {cpu.get('model', machine.get('processor'))} ({features}; "
+        f"load {machine['load_avg_1m']:.2f} at start), "
         f"Python {machine['python']}, {machine['platform']}; {packages}"
     )
 

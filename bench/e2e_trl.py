@@ -1,6 +1,6 @@
 """End-to-end GRPO: rlfabric (`rlfabric up`, every service a real process) against TRL's GRPOTrainer.
 
-    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--lr 2e-3] [--dtype bfloat16|float32]
+    python bench/e2e_trl.py [--repeats 3] [--steps 10] [--lr 2e-3] [--dtype auto|bfloat16|float32]
                             [--max-staleness 0|1] [--old-policy trainer|rollout]
                             [--placement split|shared|per-core] [--learner-threads N] [--learner-ranks N]
                             [--no-compile] [--no-learner-compile] [--systems rlfabric trl] [--keep]
@@ -338,9 +338,10 @@ def parse_args() -> Any:
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient, k3 (default 0.001)")
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
-        default="bfloat16",
-        help="compute dtype of both systems, over float32 master weights (default bfloat16)",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="compute dtype of both systems, over float32 master weights (default auto: bfloat16 where "
+        "the hardware computes it natively, a CPU with AMX or a GPU, else float32)",
     )
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
     parser.add_argument(
@@ -405,7 +406,14 @@ def parse_args() -> Any:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (every run's logs and metrics.jsonl)"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.dtype == "auto":
+        import torch
+
+        from rlfabric.common.hardware import auto_dtype
+
+        args.dtype = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    return args
 
 
 def main() -> int:

@@ -13,6 +13,10 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+# `dtype = "auto"` is float32 in every process the tests start, on every kind of machine: the numeric
+# checks (engine log-probs against a transformers forward, gradients) are written for float32, and an AMX
+# CPU would otherwise pick bfloat16. The detection itself is tested in tests/unit/test_hardware.py.
+os.environ["RLFABRIC_AUTO_DTYPE"] = "float32"
 
 
 @pytest.fixture(scope="session")

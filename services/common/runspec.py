@@ -63,7 +63,8 @@ class ModelSpec(SpecModel):
     """Causal LM whose transformer backbone (LM head dropped, a fresh scalar value head added) is the PPO
     critic; defaults to `path`. Loaded only with the gae estimator."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype: auto is bfloat16 on GPU and float32 on CPU."""
+    """Compute dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
+    with AMX) and float32 elsewhere (`rlfabric.common.hardware`); bfloat16 on a CPU without AMX warns."""
     max_model_len: int = Field(default=2048, ge=16, le=MAX_TOKENS)
     """Longest prompt + completion in tokens."""
 

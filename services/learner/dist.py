@@ -7,6 +7,7 @@ so the single-process path initialises one too: the trainer has one code path fo
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from rlfabric.common import hardware
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def compute_dtype(spec_dtype: str, device: torch.device) -> torch.dtype:
-    """The forward/backward dtype: `auto` is bfloat16 on GPU and float32 on CPU. Master weights stay fp32."""
-    if spec_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[spec_dtype]
+    """The forward/backward dtype: `auto` is bfloat16 where the device computes it natively, float32
+    elsewhere (`rlfabric.common.hardware.auto_dtype`); an explicit bfloat16 where it is not native logs a
+    warning. Master weights stay fp32."""
+    name = hardware.auto_dtype(device.type) if spec_dtype == "auto" else spec_dtype
+    warning = hardware.bfloat16_warning(name, device.type)
+    if warning:
+        log.warning("model.dtype: %s", warning)
+    return _DTYPES[name]
 
 
 def shard_model(model: nn.Module, dtype: torch.dtype) -> None:

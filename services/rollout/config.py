@@ -18,7 +18,8 @@ class EngineConfig(StrictModel):
     model: str
     """Local folder or hub id of the base model (policy version 0)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype: auto is bfloat16 on GPU and float32 on CPU."""
+    """Weights dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
+    with AMX) and float32 elsewhere (`rlfabric.common.hardware`); bfloat16 on a CPU without AMX warns."""
     max_model_len: int = Field(default=2048, ge=16)
     """Longest prompt + completion in tokens."""
     kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Info
 
+from rlfabric.common import hardware
 from rlfabric.common.credentials import Credential, require_credentials
 from rlfabric.common.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.common.logs import setup_logging
@@ -50,13 +51,18 @@ _LOAD = Gauge("rlfabric_rollout_last_weight_load_seconds", "Duration of the last
 
 
 def resolve_dtype(dtype: str) -> str:
-    """ "auto" is bfloat16 on a GPU and float32 on a CPU (vLLM's own "auto" downcasts float32 checkpoints
-    to bfloat16 on this CPU, which would make its logprobs disagree with the learner's float32 ones)."""
-    if dtype != "auto":
-        return dtype
+    """ "auto" is bfloat16 where the device computes it natively and float32 elsewhere
+    (`rlfabric.common.hardware.auto_dtype`; vLLM's own "auto" would downcast float32 checkpoints to
+    bfloat16 on any CPU, even one that only emulates it). An explicit bfloat16 where it is not native logs
+    a warning."""
     import torch
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = hardware.auto_dtype(device) if dtype == "auto" else dtype
+    warning = hardware.bfloat16_warning(name, device)
+    if warning:
+        log.warning("dtype: %s", warning)
+    return name
 
 
 def resolve_worker_wait(wait: str) -> str:

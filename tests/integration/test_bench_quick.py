@@ -139,6 +139,7 @@ def test_e2e_trl_bench_quick(tmp_path: Path) -> None:
     assert {"train_s", "publish_s", "replica_busy_fraction"} <= set(result["runs"]["rlfabric"][0]["split"])
     assert result["comparison"]["throughput_ratio"] > 0 and isinstance(result["comparison"]["goal_met"], bool)
     assert task["learner_compile"] is True  # the bench's default: the learner ran with train.compile
+    assert task["dtype"] == "float32"  # --dtype auto, which the suite pins to float32 (RLFABRIC_AUTO_DTYPE)
     # start-up: every process `up` launched reported its ready time; the default is a cold compile cache
     ready = result["runs"]["rlfabric"][0]["ready_s"]
     assert {"redis", "reward", "rollout-0", "learner", "coordinator"} <= set(ready)
