@@ -75,6 +75,8 @@ def init_distributed(device: torch.device | None = None) -> World:
     """
     rank, size, local_rank = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     device = device or select_device(local_rank)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)  # a bare "cuda" means this rank's own GPU
     backend = backend_for(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
