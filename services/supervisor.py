@@ -113,6 +113,7 @@ class Supervisor:
 
     def _died(self, entry: Watched, now: float) -> None:
         proc, code = entry.proc, entry.proc.returncode
+        proc.sweep()  # nothing of a dead process outlives it, even when its guard was the one killed
         if code == 0 and not entry.restart_clean_exit:
             entry.finished = True
             return

@@ -176,6 +176,15 @@ class ServiceProcess:
             self._drain.join(5)
         return self.proc.returncode
 
+    def sweep(self) -> None:
+        """After the process died: SIGKILL whatever is left of its process group. A guard SIGKILLed takes
+        its service along (PDEATHSIG), but the service's own children (a replica's vLLM engine core and
+        worker) are then re-parented to PID 1, still in the group the guard led."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def kill(self) -> None:
         """SIGKILL the process and everything in its session (engine workers it spawned)."""
         if self.proc is None:

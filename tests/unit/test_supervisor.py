@@ -90,3 +90,39 @@ def test_nothing_is_launched_after_close(tmp_path: Path, said: list[str]) -> Non
     supervisor.close()
     time.sleep(1.0)
     assert not proc.running()
+
+
+def test_a_killed_guard_leaves_nothing_of_its_service_behind(tmp_path: Path, said: list[str]) -> None:
+    """SIGKILL of the guard alone (not its group): the service follows it (PDEATHSIG), the service's child
+    is orphaned in the guard's process group, and the supervisor sweeps that group before restarting."""
+    import os
+    import signal
+
+    import psutil
+
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    proc = process(tmp_path, code)
+    proc.start("ready", timeout_s=30)
+    supervisor = Supervisor(FAST, say=said.append)
+    supervisor.watch(proc, "ready")
+    try:
+        until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", supervisor)
+        grandchild = psutil.Process(int(pid_file.read_text()))
+        os.kill(proc.pid, signal.SIGKILL)  # the guard only, as a careless operator would
+        until(lambda: bool(said) and "exited with code" in said[0], supervisor)
+
+        def gone() -> bool:
+            try:
+                return grandchild.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        until(gone, supervisor, timeout_s=10)
+    finally:
+        supervisor.close()
+        proc.stop(grace_s=5)
