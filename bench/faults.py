@@ -77,7 +77,7 @@ def target_matcher(scenario: str) -> Callable[[list[str]], bool]:
     service = "rollout" if scenario == "replica" else scenario
 
     def is_service(argv: list[str]) -> bool:
-        if "rlfabric.common.guard" in argv:  # the guard `up` runs the service under: the service is the target
+        if "rlfabric.common.guard" in argv:  # the guard `up` runs it under: the service is the target
             return False
         return "serve" in argv and argv[argv.index("serve") + 1 : argv.index("serve") + 2] == [service]
 
