@@ -72,6 +72,8 @@ class LocalScaler:
     failed_starts: int = 0
     supervisor: Supervisor | None = None
     """Restarts replicas that die (see the module docstring); None: a dead replica is replaced."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards `replicas` against a hand-over (`replace`) from another thread."""
     _want: tuple[int, float] | None = None
     _starting: threading.Thread | None = None
     _next_index: int = 0
@@ -83,7 +85,8 @@ class LocalScaler:
         """Takes one reading of the desired count; returns the event if it scaled."""
         if self._starting is not None and self._starting.is_alive():
             return None
-        self.replicas = [p for p in self.replicas if self.alive(p)]
+        with self._lock:
+            self.replicas = [p for p in self.replicas if self.alive(p)]
         target = max(self.policy.minimum, min(self.policy.maximum, desired or 0))
         direction = (target > len(self.replicas)) - (target < len(self.replicas))
         if direction == 0:
@@ -102,6 +105,11 @@ class LocalScaler:
         self.events.append(event)
         return event
 
+    def replace(self, old: ServiceProcess, new: ServiceProcess) -> None:
+        """Counts `new` where `old` was (an eager replica handed over to its compiled twin)."""
+        with self._lock:
+            self.replicas = [new if p is old else p for p in self.replicas]
+
     def alive(self, proc: ServiceProcess) -> bool:
         """`proc` counts as running: it runs, or its supervisor is restarting it."""
         return self.supervisor.alive(proc) if self.supervisor is not None else proc.running()
@@ -109,7 +117,8 @@ class LocalScaler:
     def scale_out(self) -> ServiceProcess:
         proc = self.launch(self._next_index)
         self._next_index += 1
-        self.replicas.append(proc)
+        with self._lock:
+            self.replicas.append(proc)
         self._starting = threading.Thread(target=self._start, args=(proc,), daemon=True)
         self._starting.start()
         return proc
@@ -126,7 +135,8 @@ class LocalScaler:
             self.supervisor.watch(proc, self.ready)
 
     def scale_in(self) -> ServiceProcess:
-        proc = self.replicas.pop()
+        with self._lock:
+            proc = self.replicas.pop()
         if self.supervisor is not None:
             self.supervisor.forget(proc)
         threading.Thread(target=proc.stop, kwargs={"grace_s": 30}, daemon=True).start()

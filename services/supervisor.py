@@ -85,6 +85,11 @@ class Supervisor:
         with self._lock:
             self.watched.append(Watched(proc, ready, restart_clean_exit))
 
+    @property
+    def closed(self) -> bool:
+        """Supervision ended (`close`): the stack is being stopped."""
+        return self._closing.is_set()
+
     def forget(self, proc: ServiceProcess) -> None:
         """Stops supervising `proc` (it is about to be stopped on purpose, e.g. scaled in)."""
         with self._lock:

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from rlfabric.common.procs import ServiceProcess
+from rlfabric.handoff import TWIN_SUFFIX, Handoff
 from rlfabric.scaler import LocalScaler, ScalePolicy
 from rlfabric.supervisor import Supervisor
 from rlfabric.up_credentials import Credentials, CredentialsError, for_run
@@ -46,7 +47,7 @@ RESTART_EVENT = "learner_restart"
 """The `event` of the metrics row a learner writes when it resumes from a checkpoint."""
 SAVED_OPTIONS = (
     "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
-    "learner_ranks", "redis_url", "engine", "compile", "replica_cores",
+    "learner_ranks", "redis_url", "engine", "compile", "eager_start", "replica_cores",
 )  # fmt: skip
 """The options `--resume` takes over from the first `up` of a run directory."""
 
@@ -96,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let vLLM compile: faster generation; the first start of a model and settings compiles for "
         "~1 min on two cores, later runs start from the compile cache",
+    )
+    parser.add_argument(
+        "--eager-start",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --compile: serve from an eager replica while its compiled twin builds, then hand over "
+        "(the first steps need not wait for the compile; default on)",
     )
     parser.add_argument(
         "--replica-cores",
@@ -261,6 +269,8 @@ class Services:
     """(process, ready pattern) of every service process started."""
     learner: ServiceProcess
     scaler: LocalScaler | None
+    handoffs: list[Handoff]
+    """Eager replicas and their compiled twins still building (`rlfabric.handoff`)."""
 
 
 def start_services(
@@ -268,8 +278,14 @@ def start_services(
 ) -> Services:
     """Starts reward, rollout, learner and coordinator, each on a port chosen here."""
     reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
-    replicas = [replica_process(stack, args, spec, redis_url, i) for i in range(args.replicas)]
+    eager_first = eager_start(args)
+    replicas = [
+        replica_process(stack, args, spec, redis_url, i, compile_=not eager_first and args.compile)
+        for i in range(args.replicas)
+    ]
     starting = [stack.launch(proc, REPLICA_READY) for proc in replicas]
+    twins = [compiled_twin(stack, args, spec, redis_url, i) for i in range(args.replicas) if eager_first]
+    handoffs = [Handoff(eager, twin, REPLICA_READY) for eager, twin in zip(replicas, twins, strict=False)]
     learner = stack.launch(learner_process(stack, args, spec, redis_url), LEARNER_READY)
     reward_address = stack.wait(reward)
     coordinator = coordinator_process(stack, args, spec, redis_url, reward_address)
@@ -287,7 +303,19 @@ def start_services(
         return replica_process(stack, args, spec, redis_url, i)
 
     scaler = LocalScaler(policy, replica, REPLICA_READY, replicas) if policy else None
-    return Services(url, supervised, learner.proc, scaler)
+    return Services(url, supervised, learner.proc, scaler, handoffs)
+
+
+def eager_start(args: argparse.Namespace) -> bool:
+    """Whether replicas start eager and hand over to compiled twins (`rlfabric.handoff`)."""
+    return bool(args.compile and getattr(args, "eager_start", True) and args.engine == "vllm")
+
+
+def compiled_twin(
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, i: int
+) -> ServiceProcess:
+    """The compiled twin of eager replica `i` (not started)."""
+    return replica_process(stack, args, spec, redis_url, i, compile_=True, suffix=TWIN_SUFFIX)
 
 
 def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess:
@@ -346,24 +374,34 @@ def scale_policy(args: argparse.Namespace) -> ScalePolicy | None:
 
 
 def replica_process(
-    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, i: int
+    stack: Stack,
+    args: argparse.Namespace,
+    spec: Any,
+    redis_url: str,
+    i: int,
+    *,
+    compile_: bool | None = None,
+    suffix: str = "",
 ) -> ServiceProcess:
-    """Rollout replica `i` of the run (not started)."""
+    """Rollout replica `i` of the run (not started): compiled as `--compile` says unless `compile_` is
+    given; `suffix` makes another replica id for the same slot (a compiled twin)."""
+    compile_ = args.compile if compile_ is None else compile_
+    name = f"rollout-{i}{suffix}"
     weights = str(Path(spec.output_dir) / spec.name / "weights")
     argv = cli("serve", "rollout", "--model", spec.model.path, "--port", str(free_port()))
     argv += ["--engine", args.engine]
     settings = [
-        f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id=rollout-{i}",
+        f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id={name}",
         f"engine.max_model_len={spec.model.max_model_len}", f"engine.dtype={spec.model.dtype}",
         "engine.kv_cache_bytes=268435456",
-        f"engine.enforce_eager={str(not args.compile).lower()}", "log.format=text",
+        f"engine.enforce_eager={str(not compile_).lower()}", "log.format=text",
     ]  # fmt: skip
     for setting in settings:
         argv += ["--set", setting]
-    env = vllm_env(compile_=args.compile)
+    env = vllm_env(compile_=compile_)
     if args.replica_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.replica_cores[i % len(args.replica_cores)]
-    return stack.process(f"rollout-{i}", argv, env, service="rollout")
+    return stack.process(name, argv, env, service="rollout")
 
 
 def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> ServiceProcess:
@@ -500,6 +538,8 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
             supervisor.watch(proc, ready, restart_clean_exit=proc is not services.learner)
         if services.scaler is not None:
             services.scaler.supervisor = supervisor
+        for handoff in services.handoffs:
+            handoff.begin(supervisor, services.scaler)
         api = Api(services.url, stack.credentials.api if stack.credentials else "")
         try:
             announce(api, spec, chosen.run_dir, submit=action == "submit")

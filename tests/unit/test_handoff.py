@@ -1,0 +1,86 @@
+"""`rlfabric.handoff` with real guarded processes: a ready twin is supervised and counted in place of the
+eager replica, which is stopped; a twin that does not start leaves the eager replica serving."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rlfabric.common.procs import ServiceProcess
+from rlfabric.handoff import Handoff
+from rlfabric.scaler import LocalScaler, ScalePolicy
+from rlfabric.supervisor import Backoff, Supervisor
+
+
+def process(tmp_path: Path, name: str, code: str) -> ServiceProcess:
+    argv = [sys.executable, "-c", code]
+    return ServiceProcess(name, argv, log_path=tmp_path / f"{name}.log", guarded=True)
+
+
+def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+SERVE = "import time; print('ready', flush=True); time.sleep(120)"
+
+
+def test_a_ready_twin_takes_the_eager_replicas_place(tmp_path: Path) -> None:
+    said: list[str] = []
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", f"import time; time.sleep(0.5); {SERVE.split('; ', 1)[1]}")
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=said.append)
+    supervisor.watch(eager, "ready")
+    scaler = LocalScaler(ScalePolicy(1, 2), lambda i: eager, "ready", [eager])
+    handoff = Handoff(eager, twin, "ready", say=said.append)
+    try:
+        handoff.begin(supervisor, scaler)
+        until(lambda: handoff.outcome is not None and not eager.running())
+        assert [w.proc for w in supervisor.watched] == [twin]
+        assert scaler.replicas == [twin] and twin.running()
+        assert handoff.outcome.startswith("rollout-0-compiled ready after")
+        assert said[-1] == f"handoff: {handoff.outcome}"
+    finally:
+        supervisor.close()
+        for proc in (twin, eager):
+            proc.stop(grace_s=5)
+
+
+def test_a_twin_that_does_not_start_leaves_the_eager_replica_serving(tmp_path: Path) -> None:
+    said: list[str] = []
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", "import sys; sys.exit(3)")
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=said.append)
+    supervisor.watch(eager, "ready")
+    handoff = Handoff(eager, twin, "ready", say=said.append)
+    try:
+        handoff.begin(supervisor, None)
+        until(lambda: handoff.outcome is not None)
+        assert "did not start" in handoff.outcome and "rollout-0 keeps serving eagerly" in handoff.outcome
+        assert [w.proc for w in supervisor.watched] == [eager] and eager.running()
+    finally:
+        supervisor.close()
+        eager.stop(grace_s=5)
+
+
+def test_nothing_is_handed_over_once_supervision_closed(tmp_path: Path) -> None:
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", f"import time; time.sleep(1); {SERVE.split('; ', 1)[1]}")
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=lambda _: None)
+    supervisor.watch(eager, "ready")
+    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    try:
+        handoff.begin(supervisor, None)
+        supervisor.close()  # the run ended while the twin built
+        time.sleep(2)
+        assert handoff.outcome is None and eager.running()
+    finally:
+        for proc in (twin, eager):
+            proc.stop(grace_s=5)
