@@ -54,6 +54,9 @@ class Task:
     """rlfabric's `algorithm.old_policy`: what its PPO ratio is taken against ("rollout": the engine's
     log-probs, so stale samples are clipped against the policy that generated them). TRL generates with
     the current weights and takes one step per batch: its ratio is 1."""
+    rollout_correction: str = "truncate"
+    """rlfabric's `algorithm.rollout_correction` (with old_policy "trainer"): TIS's truncation, or the
+    IcePop/MIS masks (`mask_token`, `mask_sequence`) that drop tokens or samples too far off-policy."""
     learner_compile: bool = False
     """rlfabric's `train.compile`: the learner's normalisation layers and MLPs compiled into fused kernels
     (attention and matmuls eager). TRL's own `torch_compile` compiles the whole model for training only
@@ -121,6 +124,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
             "loss_aggregation": "token_mean",
             "kl": {"coef": task.kl_coef, "estimator": "k3"},
             "old_policy": task.old_policy,
+            "rollout_correction": task.rollout_correction,
         },
         "optim": {"lr": task.lr, "schedule": "constant", "grad_clip": 1.0},
         "train": {

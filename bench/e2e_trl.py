@@ -101,11 +101,13 @@ def prepare(work: Path, args: Any) -> Task:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
                     lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
                     max_staleness=args.max_staleness, old_policy=args.old_policy,
+                    rollout_correction=args.rollout_correction,
                     learner_compile=args.learner_compile)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
                 max_staleness=args.max_staleness, old_policy=args.old_policy,
+                rollout_correction=args.rollout_correction,
                 learner_compile=args.learner_compile)  # fmt: skip
 
 
@@ -288,7 +290,8 @@ def report(
         f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
         f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, "
         f"learner blocks {'compiled' if task.learner_compile else 'eager'}, "
-        f"{task.dtype}, max_staleness {task.max_staleness}, placement {where.name} (vLLM on cores "
+        f"{task.dtype}, max_staleness {task.max_staleness} (old_policy {task.old_policy}, rollout "
+        f"correction {task.rollout_correction}), placement {where.name} (vLLM on cores "
         f"{where.vllm_cores}, learner torch threads {where.learner_threads or 1}); TRL {task.dtype}.",
         "",
         markdown_table(HEADERS, table_rows(results)),
@@ -357,6 +360,13 @@ def parse_args() -> Any:
         default="trainer",
         help="rlfabric's algorithm.old_policy: the PPO ratio against the learner's log-probs (default, "
         "with TIS) or the engine's (the behaviour policy: stale samples are clipped against it)",
+    )
+    parser.add_argument(
+        "--rollout-correction",
+        choices=["truncate", "mask_token", "mask_sequence"],
+        default="truncate",
+        help="rlfabric's algorithm.rollout_correction with --old-policy trainer: TIS (default) or the "
+        "IcePop/MIS masks that drop tokens or samples whose engine/trainer ratio leaves [0.5, 2]",
     )
     parser.add_argument(
         "--compile",
