@@ -217,7 +217,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
     per_step = Stats(**r["ratio_per_step"])
     verdict = "met" if r["ratio"] >= GOAL else "**not met**"
     return "\n\n".join([
-        "## learner_step: FSDP2 learner vs a plain torch loop (world size 1, CPU)",
+        f"## learner_step: FSDP2 learner vs a plain torch loop (world size 1, {r['device'].upper()})",
         machine_line(payload["machine"]),
         f"Model preset `{load['preset']}`; a step is {load['groups']} groups x {load['n']} samples x "
         f"{load['completion']} completion tokens (prompts {load['prompt_min']}-{load['prompt_max']} tokens), "
