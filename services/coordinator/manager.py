@@ -14,6 +14,7 @@ import asyncio
 import logging
 from typing import Any
 
+from rlfabric.common.aio import cancel_point
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.dataset import DatasetError
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
@@ -88,6 +89,7 @@ class RunManager:
 
     async def mirror_progress(self, run_id: str) -> None:
         while True:
+            cancel_point()
             await asyncio.sleep(1.0)
             try:
                 await self.sync_progress(run_id)
@@ -106,6 +108,7 @@ class RunManager:
         if not record.spec.health.auto_stop:
             return
         while True:
+            cancel_point()
             await asyncio.sleep(HEALTH_INTERVAL_S)
             try:
                 if await self.stop_if_unhealthy(record):

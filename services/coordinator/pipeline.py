@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from rlfabric.common import lineage, telemetry
+from rlfabric.common.aio import cancel_point
 from rlfabric.common.runspec import RunSpec
 from rlfabric.common.streams import (
     ensure_consumer_group,
@@ -280,6 +281,7 @@ class RunPipeline:
         pending = await self.leftovers()
         exhausted = False
         while True:
+            cancel_point()
             if await stop():
                 return "stopped"
             step = await self.learner_step()
@@ -344,6 +346,7 @@ class RunPipeline:
     async def draw(self, cursor: PromptCursor) -> InFlight | None:
         """The cursor's next prompt, taken and recorded in flight in one script (DRAW_AT)."""
         while True:
+            cancel_point()
             taken, draw = await cursor.next()
             if draw is None:
                 return None
@@ -362,6 +365,7 @@ class RunPipeline:
         row = self.rows[item.prompt_id]
         samples: list[rollout_pb2.GeneratedSample] | None = None
         while True:
+            cancel_point()
             try:
                 with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
                     if samples is None:
@@ -378,6 +382,7 @@ class RunPipeline:
         """The group's samples, re-dispatched while replicas fail; [] when the prompt was dropped as
         invalid (recorded with the reason `invalid_prompt`)."""
         while True:
+            cancel_point()
             try:
                 samples = await self.generate(item, row)
                 break
@@ -443,6 +448,7 @@ class RunPipeline:
         succeeds again. A scorer's own failure is not a call failure: it comes back as an item status."""
         delay = SCORE_RETRY_FIRST_S
         while True:
+            cancel_point()
             try:
                 scores = await self.score(row, samples)
             except grpc.aio.AioRpcError as exc:
@@ -543,6 +549,7 @@ class RunPipeline:
     async def trim_periodically(self) -> None:
         """Keeps the groups stream (and Redis memory) from growing with the run."""
         while True:
+            cancel_point()
             await asyncio.sleep(TRIM_INTERVAL_S)
             try:
                 await self.trim_acknowledged()
@@ -566,6 +573,7 @@ class RunPipeline:
         """Prometheus gauges and `rlfabric:{run}:scaling` (read by the API, `rlfabric up` and the
         learner, which copies the busy fraction into its metrics rows)."""
         while True:
+            cancel_point()
             await asyncio.sleep(self.scaling.interval_s)
             signal = self.scaling_signal()
             export_scaling_gauges(self.run_id, signal)
@@ -583,6 +591,7 @@ class RunPipeline:
             return
         done = -1
         while True:
+            cancel_point()
             step = await self.learner_step()
             if step // every > done:
                 done = step // every

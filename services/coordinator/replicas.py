@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from rlfabric.common import registry
+from rlfabric.common.aio import cancel_point
 from rlfabric.common.grpc_client import make_channel
 from rlfabric.coordinator.scaling import BusyMeter
 from rlfabric.v1 import rollout_pb2_grpc
@@ -57,6 +58,7 @@ class ReplicaPool:
 
     async def watch(self, interval_s: float = 1.0) -> None:
         while True:
+            cancel_point()
             try:
                 await self.refresh()
             except Exception:  # tolerated: Redis restarting; the next refresh catches up
@@ -77,6 +79,7 @@ class ReplicaPool:
             self.waiting += 1
             try:
                 while (address := self._best()) is None:
+                    cancel_point()
                     await self._wait()
             finally:
                 self.waiting -= 1
@@ -85,8 +88,12 @@ class ReplicaPool:
             return address
 
     async def _wait(self) -> None:
+        """Up to 1 s for a change. `asyncio.timeout`, not `wait_for`: Python 3.11's `wait_for` can swallow
+        a cancellation that arrives as its timeout fires, and `acquire` would then wait for a replica
+        forever (seen as a coordinator that never finished cancelling a run without replicas)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), 1.0)
+            async with asyncio.timeout(1.0):
+                await self.changed.wait()
 
     async def release(self, address: str, *, failed: bool = False) -> None:
         async with self.changed:
