@@ -33,8 +33,8 @@ TWIN_SUFFIX = "-compiled"
 
 @dataclass
 class Handoff:
-    """One eager replica and its compiled twin, launched together; `begin` waits for the twin in the
-    background and hands over."""
+    """One eager replica (started with the stack) and its compiled twin (not yet started); `begin`
+    launches the twin and hands over in the background once it is ready."""
 
     eager: ServiceProcess
     twin: ServiceProcess
