@@ -330,6 +330,18 @@ def test_a_group_of_a_rolled_back_version_handed_back_balances(restarted: Run) -
     assert ledger.count()[ROLLED_BACK] == 1
 
 
+def test_a_rolled_back_version_without_a_step_row_counts_as_published(run: Run) -> None:
+    """The learner published version 2 and died before writing its step row; the store later pruned it.
+    The restore that rolled it back is the record that it was published (seen in a whole-loop test)."""
+    run.dispatch("h")
+    run.enqueue("h", version=2)
+    run.deliver()
+    assert "group 'h' carries unpublished versions [2]" in run.violations()
+    restore(run, version=3, step=1, weights_of=1, rolled_back=[2])
+    hand_back(run, "h", 2)
+    assert not any("unpublished" in v for v in run.violations())
+
+
 def test_a_handed_back_group_whose_new_id_vanished_is_lost(restarted: Run) -> None:
     restarted.redis.hdel(f"{BASE}:inflight", "h:r1")
     assert any("handed back as 'h:r1', which has no outcome" in v for v in restarted.violations())
