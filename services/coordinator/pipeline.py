@@ -72,7 +72,9 @@ INVALID_PROMPT_FIELD = "prompts["
 DROP_INVALID_PROMPT = "invalid_prompt"
 """Drop reason (ledger outcome `dropped:invalid_prompt`, counter `dropped_invalid_prompt`)."""
 REWARD_WARNING = "reward service unreachable"
+"""Start of the run-status warning shown while Score calls fail."""
 REWARD_REFUSAL = "reward service refuses the run's scorer"
+"""Start of the warning shown instead while the service refuses the run's scorer (`REFUSAL_CODES`)."""
 REFUSAL_CODES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -83,7 +85,6 @@ REFUSAL_CODES = frozenset(
 )
 """Score failures that are the run's configuration, not an outage: the warning gives the service's reason
 (retrying goes on, so a reward service restarted with the right settings picks the run up)."""
-"""Start of the run-status warning shown while Score calls fail."""
 
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
 # between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
