@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlfabric.common.hardware import cpu_description
+from rlfabric.runtime.hardware import cpu_description
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUTPUT_DIR = BENCH_DIR / "results"

@@ -90,8 +90,8 @@ HEADERS = [
 
 def prepare(work: Path, args: Any) -> Task:
     """The model and prompts both systems train on, made here (nothing is downloaded)."""
-    from rlfabric.common.tiny_model import PRESETS, save_tiny_model
     from rlfabric.coordinator.demo import write_dataset
+    from rlfabric.tools.tiny_model import PRESETS, save_tiny_model
 
     preset = "tiny" if args.quick else "bench"
     model = save_tiny_model(PRESETS[preset], work / f"model-{preset}")
@@ -420,7 +420,7 @@ def parse_args() -> Any:
     if args.dtype == "auto":
         import torch
 
-        from rlfabric.common.hardware import auto_dtype
+        from rlfabric.runtime.hardware import auto_dtype
 
         args.dtype = auto_dtype("cuda" if torch.cuda.is_available() else "cpu")
     return args

@@ -8,7 +8,7 @@ Each run is a real `rlfabric up` (every service its own process on loopback) tra
 task with checkpoints every 2 steps. Once the learner has written step `--fault-at-step`, the scenario's
 process is SIGKILLed (found by its command line among `up`'s descendants); `up` must bring it back
 without a human, and the run must complete. Afterwards the run's Redis is reopened from its AOF and the
-books are reconciled (`rlfabric.common.ledger`). Per run:
+books are reconciled (`rlfabric.tools.ledger`). Per run:
 
 - recovery: seconds from the kill to the next step row the learner writes to metrics.jsonl. For a
   reward or coordinator kill the learner may still hold groups queued before the fault, so this is the
@@ -77,7 +77,7 @@ def target_matcher(scenario: str) -> Callable[[list[str]], bool]:
     service = "rollout" if scenario == "replica" else scenario
 
     def is_service(argv: list[str]) -> bool:
-        if "rlfabric.common.guard" in argv:  # the guard `up` runs it under: the service is the target
+        if "rlfabric.runtime.guard" in argv:  # the guard `up` runs it under: the service is the target
             return False
         return "serve" in argv and argv[argv.index("serve") + 1 : argv.index("serve") + 2] == [service]
 
@@ -199,7 +199,7 @@ def audit(run_dir: Path) -> dict[str, Any]:
     """Reopens the run's Redis from its AOF and reconciles the books."""
     import redis
 
-    from rlfabric.common import ledger
+    from rlfabric.tools import ledger
 
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(run_dir / "redis")]

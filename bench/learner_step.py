@@ -67,7 +67,7 @@ LR = 1e-5
 
 
 def make_model(preset: str, out_dir: Path) -> Path:
-    from rlfabric.common.tiny_model import PRESETS, save_tiny_model
+    from rlfabric.tools.tiny_model import PRESETS, save_tiny_model
 
     return save_tiny_model(PRESETS[preset], out_dir)
 
@@ -97,7 +97,7 @@ def make_steps(load: Load, count: int, vocab_size: int) -> list[list[Any]]:
 
 
 def run_spec(model_dir: Path, load: Load) -> Any:
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
 
     return RunSpec.model_validate({
         "model": {"path": str(model_dir), "dtype": "float32"},

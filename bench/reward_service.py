@@ -53,7 +53,7 @@ from common import (
     report_results,
 )
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.reward.client import build_request, to_spec
 from rlfabric.reward.scorers import ScoreInput, Scorer, build_scorer, safe_score_batch
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc

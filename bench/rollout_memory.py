@@ -6,7 +6,7 @@ after version in place?
 
 A real `rlfabric serve rollout` process (vLLM on CPU, eager, the multiprocess engine as in production)
 follows a run's object store. This script plays the learner: for each version it publishes a perturbed
-copy of the model's weights (`rlfabric.common.weights.publish_version`, older versions pruned), sends
+copy of the model's weights (`rlfabric.weights.versions.publish_version`, older versions pruned), sends
 `UpdateWeights` over gRPC with the learner's token, then asks for one small generation so the replica
 serves each version. Every `--every` versions it records the resident (RSS) and proportional (PSS)
 memory of each process of the replica's tree (the gRPC front end, vLLM's engine core and its worker).
@@ -50,7 +50,7 @@ def vllm_env(scratch: Path) -> dict[str, str]:
 
 
 def start_replica(model_dir: Path, weights_root: Path, scratch: Path) -> tuple[Any, str]:
-    from rlfabric.common.procs import ServiceProcess
+    from rlfabric.local.procs import ServiceProcess
 
     command = [
         sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(model_dir), "--port", "0",
@@ -96,8 +96,8 @@ def load_versions(address: str, pid: int, model_dir: Path, root: Path, args: Any
     from safetensors.torch import load_file
     from tqdm import tqdm
 
-    from rlfabric.common import weights as store
     from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+    from rlfabric.weights import versions as store
 
     base = load_file(str(next(model_dir.glob("*.safetensors"))))
     samples = [{"version": 0, "memory": tree_memory(pid)}]
@@ -215,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.versions, args.every, args.hidden, args.layers = 6, 2, 128, 2
-    from rlfabric.common.tiny_model import make_tiny_model
+    from rlfabric.tools.tiny_model import make_tiny_model
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlfabric-bench-memory-") as tmp:

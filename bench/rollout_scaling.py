@@ -241,7 +241,7 @@ async def drive(stubs: dict[str, Any], pool: dict[str, Replica], requests: list[
 def group_requests(tag: str, load: Load) -> list[Any]:
     """`load.prompts` one-prompt requests (the same prompts every time: make_prompts is seeded), each
     sampled to exactly max_tokens (`ignore_eos`), so that every cell does the work its label says."""
-    from rlfabric.common.tiny_model import PRESETS
+    from rlfabric.tools.tiny_model import PRESETS
 
     prompts = make_prompts(load, PRESETS[load.preset].vocab_size)
     requests = [generate_request(f"{tag}-g{i}", [p], load) for i, p in enumerate(prompts)]

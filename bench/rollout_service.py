@@ -104,7 +104,7 @@ def vllm_env(scratch: Path, eager: bool) -> dict[str, str]:
 
 
 def make_model(preset: str, out_dir: Path) -> Path:
-    from rlfabric.common.tiny_model import PRESETS, save_tiny_model
+    from rlfabric.tools.tiny_model import PRESETS, save_tiny_model
 
     return save_tiny_model(PRESETS[preset], out_dir)
 
@@ -113,7 +113,7 @@ def make_prompts(load: Load, vocab_size: int) -> list[list[int]]:
     """Random prompts over the ordinary (non-special) tokens."""
     import random
 
-    from rlfabric.common.tiny_model import SPECIAL_TOKENS
+    from rlfabric.tools.tiny_model import SPECIAL_TOKENS
 
     rng = random.Random(0)
     low = len(SPECIAL_TOKENS)
@@ -135,7 +135,7 @@ def free_port() -> int:
 def start_replica(model: Path, load: Load, weights_root: Path, env: dict[str, str]) -> Any:
     """`rlfabric serve rollout` on an ephemeral port, serving version 0; returns (process, address). Its
     log goes to LOG_DIR, which outlives the run."""
-    from rlfabric.common.procs import ServiceProcess
+    from rlfabric.local.procs import ServiceProcess
 
     argv = [
         sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(model), "--port", "0",
@@ -304,8 +304,8 @@ def probe(stub: Any, version: int) -> None:
 
 
 def update_object_store(stub: Any, root: Path, version: int, sd: dict[str, Any]) -> dict[str, float]:
-    from rlfabric.common.weights import publish_version
     from rlfabric.v1 import rollout_pb2
+    from rlfabric.weights.versions import publish_version
 
     start = time.perf_counter()
     publish_version(str(root), version, sd)
@@ -320,8 +320,8 @@ def update_object_store(stub: Any, root: Path, version: int, sd: dict[str, Any])
 
 
 def update_broadcast(stub: Any, version: int, sd: dict[str, Any]) -> dict[str, float]:
-    from rlfabric.common import broadcast
     from rlfabric.v1 import rollout_pb2
+    from rlfabric.weights import broadcast
 
     port, metas = free_port(), broadcast.metas_from_state_dict(sd)
     source = rollout_pb2.BroadcastSource(

@@ -83,7 +83,7 @@ def state_dict_for(total_mb: int) -> dict[str, Any]:
 
 
 def metas_for(total_mb: int) -> list[Any]:
-    from rlfabric.common.broadcast import TensorMeta
+    from rlfabric.weights.broadcast import TensorMeta
 
     return [TensorMeta(f"layer.{i}", "float32", tuple(s)) for i, s in enumerate(shapes_for(total_mb))]
 
@@ -114,7 +114,7 @@ def receiver(control_port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from rlfabric.common.broadcast import receive_state_dict
+    from rlfabric.weights.broadcast import receive_state_dict
 
     init_control(1, control_port)
     while True:
@@ -144,7 +144,7 @@ def measure_plain(size_mb: int, flat: Any) -> float:
 
 def measure_ours(size_mb: int, state_dict: dict[str, Any], bucket_bytes: int) -> tuple[float, float]:
     """(total seconds, transfer seconds) of one `send_state_dict`."""
-    from rlfabric.common.broadcast import send_state_dict
+    from rlfabric.weights.broadcast import send_state_dict
 
     port = free_port()
     command(OURS, size_mb, port, bucket_bytes)

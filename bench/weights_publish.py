@@ -2,14 +2,14 @@
 
     python bench/weights_publish.py [--quick] [--repeats 5] [--output-dir bench/results] [--work-dir DIR]
 
-The state dicts are random tensors shaped like the Qwen2 models of `rlfabric.common.tiny_model`: `bench`
+The state dicts are random tensors shaped like the Qwen2 models of `rlfabric.tools.tiny_model`: `bench`
 (8 layers, hidden 512: 24.2 M parameters, ~97 MB in float32) and `tiny` (0.44 M parameters, ~1.8 MB).
 Per repeat, in rotating order, each into a fresh directory under --work-dir (deleted afterwards):
 
 - `baseline`: `safetensors.torch.save_file` of the state dict, then one sha256 pass over the file's bytes;
   the least a publish must do (serialize, write, hash), with no durability at all;
 - `baseline+fsync`: the same plus one fsync of the file: the least a *durable* publish must do;
-- `publish`: `rlfabric.common.weights.publish_version` (default 1 GiB shards: one file here);
+- `publish`: `rlfabric.weights.versions.publish_version` (default 1 GiB shards: one file here);
 - `publish-4-shards`: the same with shards of a quarter of the state dict, written concurrently.
 
 The figure of merit is median(publish) / median(baseline) in wall time (goal <= 1.5). `publish` also
@@ -45,8 +45,8 @@ from common import (
 )
 from safetensors.torch import save_file
 
-from rlfabric.common.tiny_model import PRESETS, TinyModelSpec
-from rlfabric.common.weights import publish_version
+from rlfabric.tools.tiny_model import PRESETS, TinyModelSpec
+from rlfabric.weights.versions import publish_version
 
 NAME = "weights_publish"
 GOAL_RATIO = 1.5

@@ -1,10 +1,10 @@
-"""Regenerate the Python stubs of proto/rlfabric/v1 into services/v1 (the package rlfabric.v1).
+"""Regenerate the Python stubs of proto/rlfabric/v1 into src/rlfabric/v1 (the package rlfabric.v1).
 
     python scripts/gen_proto.py           # write the stubs
     python scripts/gen_proto.py --check   # exit 1 if the committed stubs differ from a fresh generation
 
 The proto files live at proto/rlfabric/v1/*.proto, so the generated modules import each other as
-`rlfabric.v1.<name>_pb2`, which is where `services/v1/` is installed: no import rewriting is needed.
+`rlfabric.v1.<name>_pb2`, which is where `src/rlfabric/v1/` is: no import rewriting is needed.
 Stubs depend on the grpcio-tools version (pinned in pyproject's dev extra).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO_DIR = PROTO_ROOT / "rlfabric" / "v1"
-OUT_DIR = ROOT / "services" / "v1"
+OUT_DIR = ROOT / "src" / "rlfabric" / "v1"
 INIT = '"""Generated from proto/rlfabric/v1 by scripts/gen_proto.py. Do not edit."""\n'
 
 

@@ -21,8 +21,8 @@ os.environ["RLFABRIC_AUTO_DTYPE"] = "float32"
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen2 model with a character tokenizer (`rlfabric.common.tiny_model` defaults)."""
-    from rlfabric.common.tiny_model import make_tiny_model
+    """A random tiny Qwen2 model with a character tokenizer (`rlfabric.tools.tiny_model` defaults)."""
+    from rlfabric.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
@@ -63,7 +63,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on loopback, as production runs it (AOF on, noeviction); yields its URL.
 
     Session-scoped: tests isolate themselves by key prefix (use a fresh run id) or with `redis_url`."""
-    from rlfabric.common.procs import ServiceProcess
+    from rlfabric.local.procs import ServiceProcess
 
     data = tmp_path_factory.mktemp("redis")
     port = free_port()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ import httpx
 import pytest
 import redis
 
-from rlfabric.common import ledger
-from rlfabric.common.streams import groups_key
+from rlfabric.contracts.streams import groups_key
+from rlfabric.tools import ledger
 from rlfabric.v1 import queue_pb2
 
 MAX_STEPS = 300

@@ -1,5 +1,5 @@
 """`rlfabric up` on the built-in demo, with real processes (redis-server, reward, vLLM rollout, learner,
-coordinator): the reward rises, and afterwards the books balance (`rlfabric.common.ledger`) from the run's
+coordinator): the reward rises, and afterwards the books balance (`rlfabric.tools.ledger`) from the run's
 own Redis (AOF) and the learner's checkpoint: every drawn prompt was enqueued once, dropped with a reason,
 or is still in flight; no group was trained twice; every trained group was enqueued.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rlfabric.common import ledger
+from rlfabric.tools import ledger
 
 STEPS = 12
 
@@ -69,7 +69,7 @@ def test_reward_rises_and_metrics_rows_are_complete(demo_run: Path) -> None:
 
 def test_books_balance(demo_run: Path, books: redis.Redis) -> None:
     """Every drawn prompt enqueued once, dropped with a reason or still in flight; no group trained twice;
-    each trained group enqueued; versions increasing and published (`rlfabric.common.ledger`)."""
+    each trained group enqueued; versions increasing and published (`rlfabric.tools.ledger`)."""
     run = demo_run / "demo"
     result = ledger.check(books, "demo", run / "checkpoints", weights_root=str(run / "weights"))
     assert result.count()[ledger.TRAINED] == STEPS * 8  # the step budget spent, each group once

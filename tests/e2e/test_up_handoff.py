@@ -24,9 +24,9 @@ import httpx
 import pytest
 import redis
 
-from rlfabric.common import ledger
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.streams import groups_key
+from rlfabric.contracts.streams import groups_key
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.tools import ledger
 from rlfabric.v1 import queue_pb2
 
 pytestmark = pytest.mark.vllm

@@ -32,7 +32,7 @@ import psutil
 import pytest
 import redis
 
-from rlfabric.common import ledger
+from rlfabric.tools import ledger
 
 STEPS = 14
 """The demo checkpoints every 10 steps: a kill after step 10 resumes from it, one before from scratch."""

@@ -23,9 +23,9 @@ import httpx
 import redis
 import yaml
 
-from rlfabric.common import ledger
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.runspec import RunSpec
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.runspec import RunSpec
+from rlfabric.tools import ledger
 
 RUN = "faults"
 TOKEN = "fault-suite-token"

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 from fault_stack import HERE, Stack
 
-from rlfabric.common import registry, streams
-from rlfabric.common import weights as store
+from rlfabric.contracts import registry, streams
 from rlfabric.v1 import common_pb2, queue_pb2
+from rlfabric.weights import versions as store
 
 pytestmark = pytest.mark.faults_full
 

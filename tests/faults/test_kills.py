@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from fault_stack import Stack
 
-from rlfabric.common import registry
+from rlfabric.contracts import registry
 
 
 def in_flight_on(stack: Stack, replica_id: str) -> int:

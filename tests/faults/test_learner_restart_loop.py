@@ -1,4 +1,5 @@
-"""After a learner restart, nothing wasted (`rlfabric.common.lineage`), with the whole loop as real processes:
+"""After a learner restart, nothing wasted (`rlfabric.contracts.lineage`), with the whole loop as real
+processes:
 the learner is SIGKILLed after publishing a version past its last checkpoint, while the coordinator keeps
 generating with that version. Restarted, it publishes the checkpoint's weights at once as a new version,
 the replicas generate with it, the groups of the rolled-back version are re-dispatched and trained once,
@@ -12,8 +13,9 @@ from collections.abc import Callable
 
 from fault_stack import Stack
 
-from rlfabric.common import ledger, lineage
-from rlfabric.common import weights as store
+from rlfabric.contracts import lineage
+from rlfabric.tools import ledger
+from rlfabric.weights import versions as store
 
 
 def metrics_rows(stack: Stack) -> list[dict[str, object]]:

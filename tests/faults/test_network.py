@@ -17,7 +17,7 @@ import redis
 from fault_stack import Stack
 from tcp_proxy import FaultProxy
 
-from rlfabric.common import registry
+from rlfabric.contracts import registry
 
 pytestmark = pytest.mark.faults_full
 

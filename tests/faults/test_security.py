@@ -1,4 +1,4 @@
-"""Bad input and security checks not covered elsewhere: nothing in services/ can deserialise pickle (an
+"""Bad input and security checks not covered elsewhere: nothing in src/rlfabric/ can deserialise pickle (an
 AST scan, proven able to fail), a weight file that is a pickle is refused without being unpickled, a
 pickle in the queue is dead-lettered without being unpickled, and the coordinator as a real process
 answers 401/422/413 and keeps serving.
@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 
-SERVICES = Path(__file__).resolve().parents[2] / "services"
+SERVICES = Path(__file__).resolve().parents[2] / "src" / "rlfabric"
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "marshal", "joblib"}
 
 
@@ -89,7 +89,7 @@ class Tripwire:
 def test_a_weight_file_that_is_a_pickle_is_refused_unopened(tmp_path: Path) -> None:
     import torch
 
-    from rlfabric.common import weights as store
+    from rlfabric.weights import versions as store
 
     root = str(tmp_path / "weights")
     store.publish_version(root, 1, {"w": torch.zeros(2, 2)})
@@ -126,7 +126,7 @@ def rewrite_manifest(folder: Path, name: str, data: bytes) -> None:
 async def test_a_pickle_in_the_queue_is_dead_lettered_unopened(redis_url: str, tmp_path: Path) -> None:
     import redis.asyncio as aioredis
 
-    from rlfabric.common import streams
+    from rlfabric.contracts import streams
     from rlfabric.learner.queue import REASON_DECODE, GroupConsumer
 
     client = aioredis.Redis.from_url(redis_url)

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from rlfabric.common import hardware
-from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.dist import World, init_distributed
 from rlfabric.learner.trainer import Trainer
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime import hardware
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

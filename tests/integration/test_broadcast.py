@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfabric.common.broadcast import (
+from rlfabric.weights.broadcast import (
     BroadcastError,
     BroadcastTimeout,
     TensorMeta,
@@ -46,7 +46,7 @@ SLACK_S = 3.0
 
 RECEIVER = """
 import json, sys, torch
-from rlfabric.common.broadcast import BroadcastError, metas_from_json, receive_state_dict
+from rlfabric.weights.broadcast import BroadcastError, metas_from_json, receive_state_dict
 spec = json.loads(sys.argv[1])
 open(spec["out"] + ".ready", "w").close()
 try:
@@ -271,7 +271,7 @@ def test_broadcast_into_vllm_serves_the_new_weights(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlfabric.common.tiny_model import make_tiny_model
+    from rlfabric.tools.tiny_model import make_tiny_model
 
     new_dir = make_tiny_model(tmp_path / "new-model", seed=1)
     new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()

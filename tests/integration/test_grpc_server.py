@@ -28,9 +28,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
-from rlfabric.common import errors, telemetry
-from rlfabric.common.grpc_client import ClientTls, health_check, make_channel, wait_ready
-from rlfabric.common.grpc_server import (
+from rlfabric.runtime import errors, telemetry
+from rlfabric.runtime.grpc_client import ClientTls, health_check, make_channel, wait_ready
+from rlfabric.runtime.grpc_server import (
     HEALTH_SERVICE,
     REFLECTION_SERVICE,
     GrpcServer,
@@ -39,7 +39,7 @@ from rlfabric.common.grpc_server import (
     check_bearer,
     full_service_name,
 )
-from rlfabric.common.metrics import start_metrics_server, stop_metrics_server
+from rlfabric.runtime.metrics import start_metrics_server, stop_metrics_server
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 REWARD = full_service_name(reward_pb2, "RewardService")
@@ -445,7 +445,7 @@ async def test_mtls_refuses_clients_without_a_certificate(tmp_path: Path) -> Non
 SERVER_SCRIPT = """
 import asyncio
 
-from rlfabric.common.grpc_server import GrpcServer, GrpcServerOptions
+from rlfabric.runtime.grpc_server import GrpcServer, GrpcServerOptions
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 

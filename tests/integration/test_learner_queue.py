@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.streams import GroupProducer, dead_letter_key, groups_key
+from rlfabric.contracts.streams import GroupProducer, dead_letter_key, groups_key
 from rlfabric.learner.queue import (
     REASON_DECODE,
     REASON_MAX_DELIVERIES,
@@ -23,6 +22,7 @@ from rlfabric.learner.queue import (
     Delivery,
     GroupConsumer,
 )
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.v1.common_pb2 import REWARD_STATUS_OK
 from rlfabric.v1.queue_pb2 import ScoredGroup
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlfabric.common.tiny_model import (
+from rlfabric.tools.tiny_model import (
     CHAT_TEMPLATE,
     EOS,
     IM_END,

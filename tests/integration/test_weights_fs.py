@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlfabric.common.tiny_model import PRESETS, build_model, build_tokenizer
-from rlfabric.common.weights import (
+from rlfabric.tools.tiny_model import PRESETS, build_model, build_tokenizer
+from rlfabric.weights.versions import (
     WeightsCorrupted,
     latest_committed,
     load_version,

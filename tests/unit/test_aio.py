@@ -1,4 +1,4 @@
-"""`rlfabric.common.aio.cancel_point`: a loop whose cancellation was swallowed once (as Python 3.11's
+"""`rlfabric.runtime.aio.cancel_point`: a loop whose cancellation was swallowed once (as Python 3.11's
 `asyncio.wait_for` can, inside redis-py) still ends at its next cancel point."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from rlfabric.common.aio import cancel_point
+from rlfabric.runtime.aio import cancel_point
 
 
 async def swallowing_loop(rounds: list[int], check: bool) -> None:

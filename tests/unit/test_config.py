@@ -13,10 +13,10 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rlfabric.common.config import ConfigError, load_config
-from rlfabric.common.runspec import RunSpec
 from rlfabric.reward.config import RewardServiceConfig
 from rlfabric.rollout.config import RolloutServiceConfig
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime.config import ConfigError, load_config
 
 RUN_TOML = """
 [model]

@@ -1,4 +1,4 @@
-"""`rlfabric.common.credentials`: the refusal names variables the config loader really reads, `--insecure`
+"""`rlfabric.runtime.credentials`: the refusal names variables the config loader really reads, `--insecure`
 warns, and the agreed credential of each service is where its variable puts it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from rlfabric.cli import SERVICES
-from rlfabric.common.config import ConfigError, load_config
-from rlfabric.common.credentials import Credential, MissingCredential, require_credentials
+from rlfabric.runtime.config import ConfigError, load_config
+from rlfabric.runtime.credentials import Credential, MissingCredential, require_credentials
 
 # (service, config key, variable) as agreed for issue 17; the variable must land on the key.
 AGREED = [

@@ -1,4 +1,4 @@
-"""`rlfabric.common.guard` with real processes: nothing a guarded service started outlives the service, and
+"""`rlfabric.runtime.guard` with real processes: nothing a guarded service started outlives the service, and
 nothing outlives the guard's parent, even one SIGKILLed, even a grandchild that left for its own session
 (as vLLM's engine and resource tracker are separate processes below a replica)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 
 SERVICE = """
 import os, signal, subprocess, sys, time
@@ -31,7 +31,7 @@ while True:
 
 PARENT = """
 import json, sys
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 argv = [sys.executable, "-c", sys.argv[1], sys.argv[3]]
 proc = ServiceProcess("svc", argv, log_path=sys.argv[2], guarded=True, guard_grace_s=1.0)
 match = proc.start(r"service (\\d+) grandchild (\\d+)", timeout_s=60)

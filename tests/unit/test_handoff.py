@@ -1,5 +1,5 @@
-"""`rlfabric.handoff` with real guarded processes: a ready twin is supervised and counted in place of the
-eager replica, which is stopped; a twin that does not start leaves the eager replica serving."""
+"""`rlfabric.local.handoff` with real guarded processes: a ready twin is supervised and counted in place of
+the eager replica, which is stopped; a twin that does not start leaves the eager replica serving."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.handoff import Handoff
-from rlfabric.scaler import LocalScaler, ScalePolicy
-from rlfabric.supervisor import Backoff, Supervisor
+from rlfabric.local.handoff import Handoff
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.local.scaler import LocalScaler, ScalePolicy
+from rlfabric.local.supervisor import Backoff, Supervisor
 
 
 def process(tmp_path: Path, name: str, code: str) -> ServiceProcess:

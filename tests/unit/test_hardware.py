@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from rlfabric.common import hardware
 from rlfabric.learner.dist import compute_dtype
 from rlfabric.rollout.main import resolve_dtype
+from rlfabric.runtime import hardware
 
 
 @pytest.fixture

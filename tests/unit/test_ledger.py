@@ -10,7 +10,16 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from rlfabric.common.ledger import (
+from rlfabric.contracts.lineage import (
+    ROLLED_BACK_COUNTER,
+    RestoreRecord,
+    lineage_key,
+    redispatch_id,
+    restart_row,
+    rolled_back_key,
+)
+from rlfabric.contracts.streams import CONSUMER_GROUP, dead_letter_key, groups_key, trim_acknowledged
+from rlfabric.tools.ledger import (
     IN_FLIGHT,
     ROLLED_BACK,
     TRAINED,
@@ -19,15 +28,6 @@ from rlfabric.common.ledger import (
     read_books,
     reconcile,
 )
-from rlfabric.common.lineage import (
-    ROLLED_BACK_COUNTER,
-    RestoreRecord,
-    lineage_key,
-    redispatch_id,
-    restart_row,
-    rolled_back_key,
-)
-from rlfabric.common.streams import CONSUMER_GROUP, dead_letter_key, groups_key, trim_acknowledged
 from rlfabric.v1 import common_pb2, queue_pb2
 
 RUN = "books"
@@ -284,7 +284,7 @@ def test_a_trimmed_entry_of_an_unpublished_version_still_fails(run: Run) -> None
     assert "group 'g' carries unpublished versions [7]" in run.violations()
 
 
-# --- a learner restart that rolled versions back (rlfabric.common.lineage) ----------------------------
+# --- a learner restart that rolled versions back (rlfabric.contracts.lineage) ----------------------------
 
 
 def restore(run: Run, version: int, step: int, weights_of: int, rolled_back: list[int]) -> None:

@@ -1,11 +1,11 @@
-"""The lineage arithmetic of learner restarts (`rlfabric.common.lineage`), against hand-worked cases: which
+"""The lineage arithmetic of learner restarts (`rlfabric.contracts.lineage`), against hand-worked cases: which
 versions a resume rolls back, what it publishes, which step each version holds, staleness across a
 restore. The Redis side (the hand-back script) is proven on a real redis-server in
 tests/integration/learner/test_learner_restart.py."""
 
 from __future__ import annotations
 
-from rlfabric.common.lineage import (
+from rlfabric.contracts.lineage import (
     RESTART_EVENT,
     Lineage,
     RestoreRecord,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rlfabric.common.paths import Roots, allowed, is_hub_id, violations, within
-from rlfabric.common.runspec import RunSpec
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime.paths import Roots, allowed, is_hub_id, violations, within
 
 
 @pytest.fixture

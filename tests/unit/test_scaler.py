@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rlfabric.scaler import LocalScaler, ScalePolicy
+from rlfabric.local.scaler import LocalScaler, ScalePolicy
 
 
 class StandIn:

@@ -15,7 +15,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.common.streams import (
+from rlfabric.contracts.streams import (
     BackpressureTimeout,
     GroupProducer,
     dead_letter_key,

@@ -1,4 +1,4 @@
-"""`rlfabric.supervisor`: the backoff schedule, and restarts of real (guarded) processes: a dead process
+"""`rlfabric.local.supervisor`: the backoff schedule, and restarts of real (guarded) processes: a dead process
 comes back by the same object, a clean exit of a process that finishes is left alone, and a process that
 keeps dying is given up with a message that names it."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.supervisor import Backoff, Supervisor
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.local.supervisor import Backoff, Supervisor
 
 FAST = Backoff(base_s=0.05, cap_s=0.2, stable_s=60.0, max_fast_failures=3)
 

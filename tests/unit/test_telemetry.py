@@ -13,8 +13,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN
 
-from rlfabric.common import telemetry
-from rlfabric.common.logs import setup_logging
+from rlfabric.runtime import telemetry
+from rlfabric.runtime.logs import setup_logging
 from rlfabric.v1 import common_pb2
 
 
@@ -146,8 +146,8 @@ def test_text_logs_and_unknown_formats(log_stream: io.StringIO) -> None:
 def test_shared_modules_import_neither_torch_nor_the_tracing_sdk() -> None:
     code = (
         "import sys\n"
-        "import rlfabric.common.grpc_server, rlfabric.common.grpc_client, rlfabric.common.logs\n"
-        "import rlfabric.common.metrics, rlfabric.common.telemetry, rlfabric.common.errors\n"
+        "import rlfabric.runtime.grpc_server, rlfabric.runtime.grpc_client, rlfabric.runtime.logs\n"
+        "import rlfabric.runtime.metrics, rlfabric.runtime.telemetry, rlfabric.runtime.errors\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('opentelemetry.sdk')))\n"
     )
     result = subprocess.run(

@@ -9,7 +9,7 @@ import sys
 import pytest
 from tokenizers import pre_tokenizers
 
-from rlfabric.common.tiny_model import (
+from rlfabric.tools.tiny_model import (
     DEFAULT_CHARS,
     IM_END,
     IM_START,
@@ -135,7 +135,7 @@ def test_cli_flags_override_preset(tmp_path) -> None:
 
 def test_import_is_cheap() -> None:
     heavy = "'torch' in sys.modules or 'transformers' in sys.modules"
-    code = f"import sys, rlfabric.common.tiny_model; sys.exit({heavy})"
+    code = f"import sys, rlfabric.tools.tiny_model; sys.exit({heavy})"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

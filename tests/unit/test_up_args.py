@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from rlfabric import up
-from rlfabric.common.runspec import RunSpec
-from rlfabric.up_credentials import Credentials
+from rlfabric.local import up
+from rlfabric.local.credentials import Credentials
+from rlfabric.runspec import RunSpec
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.up_credentials import Credentials, CredentialsError, for_run
+from rlfabric.local.credentials import Credentials, CredentialsError, for_run
 
 
 def test_the_file_is_owner_only_and_holds_distinct_tokens(tmp_path: Path) -> None:

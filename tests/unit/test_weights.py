@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlfabric.common import weights
-from rlfabric.common.weights import (
+from rlfabric.weights import versions as weights
+from rlfabric.weights.versions import (
     MANIFEST,
     MARKER,
     VersionConflict,
@@ -145,7 +145,7 @@ def test_shards_are_standard_safetensors_files(tmp_path: Path) -> None:
 
 
 def test_the_module_imports_without_torch() -> None:
-    code = "import sys, rlfabric.common.weights; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, rlfabric.weights.versions; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

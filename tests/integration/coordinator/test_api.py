@@ -15,7 +15,6 @@ import pytest
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
-from rlfabric.common.runspec import MAX_TOKENS
 from rlfabric.coordinator import runs_cli
 from rlfabric.coordinator.api import (
     ErrorBody,
@@ -29,6 +28,7 @@ from rlfabric.coordinator.api import (
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.manager import RunManager
 from rlfabric.coordinator.runs import RunRecord, RunStore
+from rlfabric.runspec import MAX_TOKENS
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.common import registry
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.contracts import registry
 from rlfabric.coordinator.replicas import ReplicaPool
 from rlfabric.coordinator.scaling import BusyMeter
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 RUN = "drain"

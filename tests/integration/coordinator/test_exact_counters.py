@@ -10,9 +10,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.streams import GroupProducer, dead_letter_key, groups_key
+from rlfabric.contracts.streams import GroupProducer, dead_letter_key, groups_key
 from rlfabric.learner.queue import Delivery, GroupConsumer
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.v1 import common_pb2, queue_pb2
 
 RUN = "exact"

@@ -11,12 +11,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.coordinator.api import create_app
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.health import last_good_checkpoint, stopping_warning
 from rlfabric.coordinator.manager import RunManager
 from rlfabric.coordinator.runs import RunStore, scaling_key
+from rlfabric.runspec import RunSpec
 
 BASE: dict[str, Any] = {"model": {"path": "tiny"}, "dataset": {"path": "prompts.jsonl"}}
 

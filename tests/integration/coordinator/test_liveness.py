@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from rlfabric.common.registry import ReplicaEntry, register
-from rlfabric.common.runspec import RunSpec
-from rlfabric.common.streams import CONSUMER_GROUP, ensure_consumer_group, groups_key
+from rlfabric.contracts.registry import ReplicaEntry, register
+from rlfabric.contracts.streams import CONSUMER_GROUP, ensure_consumer_group, groups_key
 from rlfabric.coordinator import liveness
 from rlfabric.coordinator.health import LEARNER_STALL_S, check_learner_stalled, check_no_replica
 from rlfabric.coordinator.runs import RunStore
+from rlfabric.runspec import RunSpec
 
 STALL = LEARNER_STALL_S
 

@@ -19,11 +19,11 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.runspec import RunSpec
-from rlfabric.common.streams import groups_key, trimmed_key
+from rlfabric.contracts.streams import groups_key, trimmed_key
 from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.learner.queue import GroupConsumer
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.runspec import RunSpec
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 RUN = "pipe"

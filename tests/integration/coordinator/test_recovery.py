@@ -19,14 +19,14 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.runspec import RunSpec
-from rlfabric.common.streams import ensure_consumer_group, groups_key, trimmed_key
+from rlfabric.contracts.streams import ensure_consumer_group, groups_key, trimmed_key
 from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.pipeline import REWARD_WARNING, InFlight, RunPipeline
 from rlfabric.coordinator.runs import RunStore
 from rlfabric.learner.queue import GroupConsumer
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.reward.client import ItemResult
+from rlfabric.runspec import RunSpec
 from rlfabric.v1 import rollout_pb2
 
 RUN = "recovery"

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.dist import destroy_distributed, init_distributed
 from rlfabric.learner.trainer import Trainer
+from rlfabric.runspec import RunSpec
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""A learner restart wastes nothing it need not (`rlfabric.common.lineage`): `rlfabric serve learner`
+"""A learner restart wastes nothing it need not (`rlfabric.contracts.lineage`): `rlfabric serve learner`
 SIGKILLed after publishing versions past its last checkpoint resumes from that checkpoint, publishes its
 weights at once as a new version (the same bytes as the checkpoint's own version), trains the groups of
 the restored lineage (none dropped as stale for the crash's sake), hands the groups of the rolled-back
@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 import yaml
 from test_learner_service import applied_log, enqueue, make_groups
 
-from rlfabric.common import lineage, streams
-from rlfabric.common import weights as store
+from rlfabric.contracts import lineage, streams
+from rlfabric.weights import versions as store
 
 RUN = "restart"
 

@@ -20,10 +20,10 @@ import redis
 import torch
 import yaml
 
-from rlfabric.common import streams
-from rlfabric.common import weights as store
+from rlfabric.contracts import streams
 from rlfabric.learner.checkpoint import META, latest_complete
 from rlfabric.v1 import common_pb2, queue_pb2
+from rlfabric.weights import versions as store
 
 N = 4  # samples per group
 GOOD, BAD = "xxxx", "yyyy"

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from rlfabric.common import weights as store
 from rlfabric.learner.checkpoint import META, checkpoint_dir, latest_complete
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.offline import load_pairs, run_offline, training_order
+from rlfabric.weights import versions as store
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 90

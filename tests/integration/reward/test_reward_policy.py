@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.reward.scorers.sandbox import probe_isolation
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 

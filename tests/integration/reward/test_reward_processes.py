@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 PROCESSES = 2

@@ -24,7 +24,7 @@ import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from rlfabric.common.procs import ServiceProcess
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.reward.client import AsyncRewardClient, RewardClient
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 

@@ -16,8 +16,8 @@ import torch
 from _engine_scenarios import LONG, SAMPLED, TEMPERED, build_engine, run_scenarios
 from safetensors.torch import load_file, save_file
 
-from rlfabric.common.tiny_model import EOS, IM_END, make_tiny_model, special_ids
 from rlfabric.rollout.engine import SamplingSettings
+from rlfabric.tools.tiny_model import EOS, IM_END, make_tiny_model, special_ids
 
 HELPER = Path(__file__).with_name("_engine_scenarios.py")
 STOP_IDS = (special_ids()[EOS], special_ids()[IM_END])

@@ -17,12 +17,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from rlfabric.common import weights as store
-from rlfabric.common.config import load_config
-from rlfabric.common.tiny_model import make_tiny_model
 from rlfabric.rollout.config import RolloutServiceConfig
 from rlfabric.rollout.main import Parts, assemble, load_initial_weights, start_server
+from rlfabric.runtime.config import load_config
+from rlfabric.tools.tiny_model import make_tiny_model
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rlfabric.weights import versions as store
 
 TOKEN = "learner-secret"
 
@@ -312,7 +312,7 @@ async def test_registry_entry_appears_refreshes_and_expires(
 ) -> None:
     import redis.asyncio as aioredis
 
-    from rlfabric.common import registry
+    from rlfabric.contracts import registry
     from rlfabric.rollout.main import start_heartbeat
 
     config = config_for(
@@ -339,7 +339,7 @@ async def test_registry_entry_appears_refreshes_and_expires(
 
 
 def broadcast_request(version: int, metas: list, port: int) -> rollout_pb2.UpdateWeightsRequest:
-    from rlfabric.common import broadcast
+    from rlfabric.weights import broadcast
 
     source = rollout_pb2.BroadcastSource(
         master_address="127.0.0.1",
@@ -362,7 +362,7 @@ def free_port() -> int:
 
 
 async def send_in_thread(state_dict: dict[str, torch.Tensor], port: int) -> asyncio.Future:
-    from rlfabric.common import broadcast
+    from rlfabric.weights import broadcast
 
     return asyncio.get_running_loop().run_in_executor(
         None,
@@ -375,7 +375,7 @@ async def send_in_thread(state_dict: dict[str, torch.Tensor], port: int) -> asyn
 async def test_broadcast_update_switches_weights(
     replica: Parts, other_model: Path, tiny_model_dir: Path
 ) -> None:
-    from rlfabric.common import broadcast
+    from rlfabric.weights import broadcast
 
     new = state_dict_of(other_model)
     port = free_port()
@@ -394,7 +394,7 @@ async def test_broadcast_update_switches_weights(
 async def test_mismatched_broadcast_is_refused_and_the_sender_fails_fast(
     replica: Parts, tmp_path: Path
 ) -> None:
-    from rlfabric.common import broadcast
+    from rlfabric.weights import broadcast
 
     wrong = state_dict_of(make_tiny_model(tmp_path / "wide", hidden=256, heads=4))
     port = free_port()

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlfabric.common import weights as store
-from rlfabric.common.procs import ServiceProcess
-from rlfabric.common.tiny_model import make_tiny_model
+from rlfabric.local.procs import ServiceProcess
 from rlfabric.rollout.vllm_engine import cpu_compile_cache_defaults
 from rlfabric.rollout.vllm_executor import BLOCKING_MESSAGE
+from rlfabric.tools.tiny_model import make_tiny_model
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rlfabric.weights import versions as store
 
 pytestmark = pytest.mark.vllm
 TOKEN = "learner-secret"
@@ -185,7 +185,7 @@ def test_broadcast_update(
 ) -> None:
     import threading
 
-    from rlfabric.common import broadcast
+    from rlfabric.weights import broadcast
 
     new = state_dict_of(make_tiny_model(tmp_path / "v3", seed=13))
     port = free_port()

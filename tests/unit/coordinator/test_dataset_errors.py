@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.common.runspec import DatasetSpec
 from rlfabric.coordinator.dataset import DatasetError, load_rows
+from rlfabric.runspec import DatasetSpec
 
 SECRET = {"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG", "aws_access_key_id": "AKIAIOSFODNN7EXAMPLE"}
 LEAKS = ("aws_secret_access_key", "aws_access_key_id", "wJalrXUtnFEMI", "AKIAIOSFODNN7EXAMPLE")

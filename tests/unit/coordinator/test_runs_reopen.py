@@ -7,8 +7,8 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.coordinator.runs import InvalidTransition, RunStore
+from rlfabric.runspec import RunSpec
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from typing import Any
 import fakeredis
 import pytest
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.coordinator.health import (
     HealthThresholds,
     HealthWarning,
@@ -20,6 +19,7 @@ from rlfabric.coordinator.health import (
     run_health,
 )
 from rlfabric.coordinator.runs import COUNTERS, InvalidTransition, RunExists, RunNotFound, RunStore
+from rlfabric.runspec import RunSpec
 
 
 def spec(name: str | None = None) -> RunSpec:

@@ -72,7 +72,7 @@ def test_replicas_register_an_address_the_coordinator_can_dial(name: str, tmp_pa
 
 
 def test_the_learner_trains_the_submitted_run_and_replicas_follow_it(tmp_path: Path) -> None:
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
 
     run = RunSpec.model_validate(yaml.safe_load((REPO / "deploy/compose/run.yaml").read_text()))
     learner = config_of("learner", tmp_path)
@@ -84,8 +84,8 @@ def test_the_learner_trains_the_submitted_run_and_replicas_follow_it(tmp_path: P
 
 
 def test_the_coordinator_reaches_reward_and_reads_the_dataset(tmp_path: Path) -> None:
-    from rlfabric.common.paths import Roots, violations
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
+    from rlfabric.runtime.paths import Roots, violations
 
     coordinator = config_of("coordinator", tmp_path)
     reward = config_of("reward", tmp_path)

@@ -186,7 +186,7 @@ def test_coordinator_serves_its_api_and_metrics_on_one_port(overlay: str, tmp_pa
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_learner_trains_the_submitted_run_on_a_consistent_world(overlay: str, tmp_path: Path) -> None:
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
 
     objects = rendered(overlay)
     c = container(objects, "Job", "rlfabric-learner", "learner")
@@ -251,8 +251,8 @@ def test_every_service_holds_its_credentials_from_the_secret(overlay: str, tmp_p
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_coordinator_can_read_the_dataset_of_the_run(overlay: str, tmp_path: Path) -> None:
-    from rlfabric.common.paths import Roots, violations
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
+    from rlfabric.runtime.paths import Roots, violations
 
     objects = rendered(overlay)
     c = container(objects, "Deployment", "rlfabric-coordinator", "coordinator")

@@ -155,15 +155,15 @@ def test_group_centring_of_equal_float32_rewards_is_exactly_zero() -> None:
 def test_every_estimator_a_run_file_can_name_is_registered_and_back() -> None:
     from typing import get_args
 
-    from rlfabric.common.runspec import AlgorithmSpec
+    from rlfabric.runspec import AlgorithmSpec
 
     names = set(get_args(AlgorithmSpec.model_fields["advantage"].annotation))
     assert names == set(ADVANTAGE_ESTIMATORS)
 
 
 def test_run_file_selects_reinforce_pp_baseline_with_groups_of_two_or_more() -> None:
-    from rlfabric.common.config import ConfigError, load_config
-    from rlfabric.common.runspec import RunSpec
+    from rlfabric.runspec import RunSpec
+    from rlfabric.runtime.config import ConfigError, load_config
 
     base = [
         "model.path=m",

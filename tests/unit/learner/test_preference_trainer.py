@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.dist import World, init_distributed
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer, pairs_per_micro_batch
+from rlfabric.runspec import RunSpec
 
 CPU = torch.device("cpu")
 

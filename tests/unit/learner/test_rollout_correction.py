@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rlfabric.common.runspec import AlgorithmSpec
 from rlfabric.learner.algorithms import PolicyLossConfig, policy_loss, rollout_mismatch
+from rlfabric.runspec import AlgorithmSpec
 
 
 def weights_case(w: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlfabric.common.runspec import RunSpec
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.checkpoint import COMPLETE, checkpoint_dir, latest_complete, prune
 from rlfabric.learner.dist import World, init_distributed
 from rlfabric.learner.parts import lr_multiplier
 from rlfabric.learner.trainer import Trainer
+from rlfabric.runspec import RunSpec
 
 CPU = torch.device("cpu")
 
@@ -29,7 +29,7 @@ def world() -> World:
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny model (another seed): a reference the policy differs from from the start."""
-    from rlfabric.common.tiny_model import make_tiny_model
+    from rlfabric.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("reference"), seed=1)
 

@@ -5,10 +5,10 @@ import math
 import pytest
 from google.protobuf import struct_pb2
 
-from rlfabric.common.errors import InvalidArgument, ResourceExhausted
 from rlfabric.reward.scorers import ScoreInput, ScoreResult
 from rlfabric.reward.server import RewardServicer, SpecCache, item_from_proto, response_from
 from rlfabric.reward.service import ScoredBatch, item_to_json
+from rlfabric.runtime.errors import InvalidArgument, ResourceExhausted
 from rlfabric.v1 import common_pb2, reward_pb2
 
 

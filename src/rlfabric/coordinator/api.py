@@ -1,0 +1,452 @@
+"""The coordinator's REST API (FastAPI): submit, list, inspect and stop runs; the run page; health; metrics.
+
+Routes under /v1 need `Authorization: Bearer <token>` when `config.api.token` is set (compared in constant
+time); /healthz, /metrics, /docs and the HTML shell of the run page do not (the page's script sends the
+token it is given, see `page.py`). Bodies over `config.api.max_body_bytes` get 413, whether announced by
+Content-Length or streamed. The app only records runs; the pipeline manager hooks in with `on_submit`
+(awaited after a run is stored) and `on_stop` (awaited after a stop was recorded).
+
+Inputs are bounded and confined: the run spec's types are strict and its integers bounded (see
+`runspec.SpecModel`); its dataset and model paths must lie in the configured `data_roots` /
+`model_roots` (422 naming the field, never saying whether the file exists); run ids and `since` stream
+ids are checked before Redis sees them. Every route's possible answers are in the OpenAPI document
+(`ROUTE_ERRORS`), each error with its body model.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import Counter
+from pydantic import AfterValidator, BaseModel
+from redis.asyncio import Redis
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.health import HEALTH_ROWS, run_health
+from rlfabric.coordinator.liveness import liveness_warnings
+from rlfabric.coordinator.page import render_run_page
+from rlfabric.coordinator.runs import (
+    InvalidTransition,
+    RunExists,
+    RunNotFound,
+    RunRecord,
+    RunState,
+    RunStore,
+    parse_stream_id,
+)
+from rlfabric.runspec import RUN_NAME_PATTERN, RunSpec
+from rlfabric.runtime.metrics import metrics_response
+from rlfabric.runtime.paths import Roots, violations
+
+RunHook = Callable[[RunRecord], Awaitable[None]]
+
+_REQUESTS = Counter("rlfabric_coordinator_api_runs_total", "Run API actions", ["action"])
+
+
+class RunSummary(BaseModel):
+    """A run in `GET /v1/runs`."""
+
+    run_id: str
+    name: str
+    state: RunState
+    step: int
+    policy_version: int
+    created_at: str
+    updated_at: str
+    error: str | None
+
+
+class RunList(BaseModel):
+    """Body of `GET /v1/runs`, newest first."""
+
+    runs: list[RunSummary]
+
+
+class RunStatus(RunRecord):
+    """Body of `GET /v1/runs/{id}`: the record, its counters, the latest metrics row and all warnings
+    (recorded ones, then health warnings computed from the metrics series)."""
+
+    counters: dict[str, int]
+    latest_metrics: dict[str, Any] | None
+    scaling: dict[str, float] | None = None
+    """The latest autoscaling signal: replicas, busy_fraction, run_busy_fraction, in_flight_groups,
+    backlog_groups, desired_replicas, time (None before the pipeline exported one)."""
+
+
+class MetricsPage(BaseModel):
+    """Body of `GET /v1/runs/{id}/metrics`: rows oldest first; pass `last_id` as `since` for the next."""
+
+    run_id: str
+    rows: list[dict[str, Any]]
+    last_id: str | None
+
+
+class ErrorBody(BaseModel):
+    """Body of a 401, 404, 409 or 413: what went wrong, in words (never the content of a file)."""
+
+    detail: str
+
+
+class FieldError(BaseModel):
+    """One invalid input of a 422."""
+
+    loc: list[str | int]
+    """Where: `body`, `query` or `path`, then the field's path, e.g. ["body", "dataset", "path"]."""
+    msg: str
+    """What is wrong with it."""
+    type: str
+    """Machine-readable kind, e.g. `int_type`, `less_than_equal`, `path_not_allowed`."""
+
+
+class ValidationErrorBody(BaseModel):
+    """Body of a 422: every offending input, and all of them in one line naming each by its dotted path."""
+
+    detail: list[FieldError]
+    message: str
+
+
+class HealthBody(BaseModel):
+    """Body of `GET /healthz`."""
+
+    status: str
+    """ok, or unavailable when Redis does not answer."""
+    redis: str | None = None
+    """With unavailable: the kind of error Redis gave (its class name, nothing more)."""
+
+
+ERROR_RESPONSES: dict[int, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
+    404: {"model": ErrorBody, "description": "No run has this id"},
+    409: {"model": ErrorBody, "description": "Conflict with the run's state or name"},
+    413: {"model": ErrorBody, "description": "Request body over api.max_body_bytes"},
+    422: {"model": ValidationErrorBody, "description": "Invalid input; each field named"},
+}
+"""Every error the API answers, with its body model."""
+
+ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
+    "submit": (401, 409, 413, 422),
+    "list_runs": (401, 413, 422),
+    "get_run": (401, 404, 413, 422),
+    "get_metrics": (401, 404, 413, 422),
+    "stop": (401, 404, 409, 413, 422),
+    "healthz": (413,),
+    "prometheus": (413,),
+    "run_page": (413, 422),
+}
+"""The errors each route (by name) can answer: 413 from `BodyLimit` on every route, 401 on /v1."""
+V1_ROUTES = frozenset({"submit", "list_runs", "get_run", "get_metrics", "stop"})
+"""The routes under /v1 (JSON answers, bearer token)."""
+
+
+def responses(route: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route: its errors from `ROUTE_ERRORS`. Errors are JSON even where the
+    route answers another media type (FastAPI would document them in the route's), so the /v1 routes
+    give the models and the others refer to them."""
+    if route in V1_ROUTES:
+        return {code: ERROR_RESPONSES[code] for code in ROUTE_ERRORS[route]}
+    return {code: _json_error(code) for code in ROUTE_ERRORS[route]}
+
+
+def _json_error(code: int) -> dict[str, Any]:
+    """The error's entry, its body model given only as a JSON schema reference: the models are in the
+    document's components because the /v1 routes name them."""
+    model, description = ERROR_RESPONSES[code]["model"], ERROR_RESPONSES[code]["description"]
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _stream_id(value: str | None) -> str | None:
+    if value is not None:
+        parse_stream_id(value)
+    return value
+
+
+RunId = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="The run's id (its name)")]
+SinceId = Annotated[
+    str | None,
+    Query(max_length=41, description="Stream id of the last row already held, e.g. 1700000000000-0"),
+    AfterValidator(_stream_id),
+]
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `max_bytes` (by Content-Length, or as it streams)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await _too_large(self.max_bytes)(scope, receive, send)
+            return
+        await self.app(scope, self._counting(receive), send)
+
+    def _counting(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, _too_large_text(self.max_bytes))
+            return message
+
+        return counted
+
+
+def _too_large_text(max_bytes: int) -> str:
+    return f"request body larger than {max_bytes} bytes"
+
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    return JSONResponse({"detail": _too_large_text(max_bytes)}, status.HTTP_413_CONTENT_TOO_LARGE)
+
+
+_BEARER = HTTPBearer(auto_error=False, description="The coordinator's api.token")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+
+
+def bearer_auth(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency that accepts any request when `token` is None, else only `Bearer <token>`."""
+
+    async def check(credentials: Credentials) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "missing or wrong bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check
+
+
+async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """422 whose `message` names each offending field by its dotted path (e.g. `body.model.path`)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+    return JSONResponse(
+        jsonable_encoder({"detail": errors, "message": message}), status.HTTP_422_UNPROCESSABLE_CONTENT
+    )
+
+
+def _store(request: Request) -> RunStore:
+    store: RunStore = request.app.state.store
+    return store
+
+
+Store = Annotated[RunStore, Depends(_store)]
+
+
+def confine(spec: RunSpec, roots: Roots) -> None:
+    """RequestValidationError (422) naming each path field of `spec` outside its roots."""
+    errors = [
+        {"loc": ("body", *v.field.split(".")), "msg": v.message, "type": "path_not_allowed"}
+        for v in violations(spec, roots)
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def run_routes(
+    token: str | None, roots: Roots, on_submit: RunHook | None, on_stop: RunHook | None
+) -> APIRouter:
+    """The /v1 routes; specs may name paths only within `roots`."""
+    router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))], tags=["runs"])
+
+    @router.post(
+        "/runs", status_code=status.HTTP_201_CREATED, response_model=RunRecord, responses=responses("submit")
+    )
+    async def submit(spec: RunSpec, store: Store, response: Response) -> RunRecord:
+        """Accept a run spec; 409 if a run of that name exists, 422 if it names a path outside the roots."""
+        confine(spec, roots)
+        record = await store.create(spec)
+        _REQUESTS.labels("submit").inc()
+        response.headers["Location"] = f"/v1/runs/{record.run_id}"
+        if on_submit is not None:
+            await _call_hook(store, record, on_submit)
+        return record
+
+    @router.get("/runs", response_model=RunList, responses=responses("list_runs"))
+    async def list_runs(
+        store: Store,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        state: Annotated[list[RunState] | None, Query()] = None,
+    ) -> RunList:
+        """Runs, newest first (optionally only those in the given states)."""
+        records = await store.list(limit=limit, states=set(state) if state else None)
+        return RunList(runs=[_summary(r) for r in records])
+
+    @router.get("/runs/{run_id}", response_model=RunStatus, responses=responses("get_run"))
+    async def get_run(run_id: RunId, store: Store) -> RunStatus:
+        """State, progress, counters, the latest metrics row and warnings of one run."""
+        return await run_status(store, run_id)
+
+    @router.get("/runs/{run_id}/metrics", response_model=MetricsPage, responses=responses("get_metrics"))
+    async def get_metrics(
+        run_id: RunId,
+        store: Store,
+        since: SinceId = None,
+        limit: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+    ) -> MetricsPage:
+        """The metrics time series, oldest first, after `since`."""
+        await store.get(run_id)
+        rows = await store.metrics(run_id, since_id=since, limit=limit)
+        return MetricsPage(run_id=run_id, rows=rows, last_id=rows[-1]["_id"] if rows else since)
+
+    @router.post(
+        "/runs/{run_id}/stop",
+        status_code=status.HTTP_202_ACCEPTED,
+        response_model=RunRecord,
+        responses=responses("stop"),
+    )
+    async def stop(run_id: RunId, store: Store) -> RunRecord:
+        """Ask the run to stop; 409 if it has already finished."""
+        record = await store.request_stop(run_id)
+        _REQUESTS.labels("stop").inc()
+        if on_stop is not None:
+            await on_stop(record)
+        return record
+
+    return router
+
+
+async def _call_hook(store: RunStore, record: RunRecord, hook: RunHook) -> None:
+    """Runs `on_submit`; if it raises, the run is marked failed (never left pending) and the error
+    propagates (500)."""
+    try:
+        await hook(record)
+    except Exception as e:
+        await store.set_state(record.run_id, "failed", error=f"could not start: {e}")
+        raise
+
+
+def _summary(record: RunRecord) -> RunSummary:
+    return RunSummary(
+        run_id=record.run_id,
+        name=record.name,
+        state=record.state,
+        step=record.step,
+        policy_version=record.policy_version,
+        created_at=record.created_at.isoformat(),
+        updated_at=record.updated_at.isoformat(),
+        error=record.error,
+    )
+
+
+async def run_status(store: RunStore, run_id: str) -> RunStatus:
+    """The body of `GET /v1/runs/{id}` (health warnings by the run's own `health` thresholds)."""
+    record = await store.get(run_id)
+    rows = await store.recent_metrics(run_id, HEALTH_ROWS)
+    health = run_health(rows, record.spec.health, max_tokens=record.spec.rollout.sampling.max_tokens)
+    health += await liveness_warnings(store, record)
+    warnings = record.warnings + [w for w in health if w not in record.warnings]
+    return RunStatus(
+        **record.model_dump(exclude={"warnings"}),
+        warnings=warnings,
+        counters=await store.counters(run_id),
+        latest_metrics=rows[-1] if rows else None,
+        scaling=await store.scaling(run_id),
+    )
+
+
+def public_routes() -> APIRouter:
+    """Health, Prometheus metrics and the run page: no token needed."""
+    router = APIRouter()
+
+    unavailable = {"model": HealthBody, "description": "Redis does not answer"}
+
+    @router.get(
+        "/healthz",
+        tags=["ops"],
+        response_model=HealthBody,
+        response_model_exclude_none=True,
+        responses={503: unavailable, **responses("healthz")},
+    )
+    async def healthz(store: Store) -> JSONResponse:
+        """200 when Redis answers, 503 otherwise (naming only the kind of error: no address)."""
+        try:
+            await store.redis.ping()  # type: ignore[misc]
+        except Exception as e:  # deliberately tolerated: reported as unhealthy
+            body = {"status": "unavailable", "redis": type(e).__name__}
+            return JSONResponse(body, status.HTTP_503_SERVICE_UNAVAILABLE)
+        return JSONResponse({"status": "ok"})
+
+    @router.get(
+        "/metrics",
+        tags=["ops"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}, **responses("prometheus")},
+    )
+    async def prometheus() -> Response:
+        """Prometheus exposition."""
+        body, content_type = metrics_response()
+        return Response(body, media_type=content_type)
+
+    @router.get("/runs/{run_id}", response_class=HTMLResponse, tags=["page"], responses=responses("run_page"))
+    async def run_page(run_id: Annotated[str, Path(max_length=64)]) -> HTMLResponse:
+        """The live page of a run (its data comes from /v1 with the token given as #token=...)."""
+        return HTMLResponse(render_run_page(run_id))
+
+    return router
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Store errors become 404 / 409; validation errors name the field."""
+
+    async def not_found(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status.HTTP_404_NOT_FOUND)
+
+    async def conflict(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status.HTTP_409_CONFLICT)
+
+    app.add_exception_handler(RunNotFound, not_found)
+    app.add_exception_handler(RunExists, conflict)
+    app.add_exception_handler(InvalidTransition, conflict)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def create_app(
+    config: CoordinatorServiceConfig,
+    redis: Redis | None = None,
+    *,
+    on_submit: RunHook | None = None,
+    on_stop: RunHook | None = None,
+) -> FastAPI:
+    """The coordinator's FastAPI app over `redis` (or a client for `config.redis.url`, owned and closed
+    by the app's lifespan)."""
+    owned = redis is None
+    client = redis or Redis.from_url(config.redis.url, socket_timeout=config.redis.socket_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owned:
+            await client.aclose()
+
+    app = FastAPI(title="rlfabric coordinator", version="1", lifespan=lifespan)
+    app.state.store = RunStore(client)
+    roots = Roots.of(config.data_roots, config.model_roots)
+    app.include_router(run_routes(config.api.token, roots, on_submit, on_stop))
+    app.include_router(public_routes())
+    _error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)
+    return app

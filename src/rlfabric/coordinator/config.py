@@ -1,0 +1,71 @@
+"""Configuration of the coordinator process (`rlfabric serve coordinator`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlfabric.runtime.config import StrictModel
+from rlfabric.runtime.schema import LogConfig, RedisConfig
+
+
+class ApiConfig(StrictModel):
+    """The REST API."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port to bind; 0 picks a free port."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on every /v1 route; set it from RLFABRIC_COORDINATOR__API__TOKEN. The
+    process refuses to start without it unless `insecure`."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """Request bodies larger than this get 413."""
+
+
+class ScalingConfig(StrictModel):
+    """The coordinator's autoscaling rule (the bounds belong to whoever scales)."""
+
+    target_busy_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    """Busy fraction per replica the rule aims for: desired = ceil(replicas * busy / target)."""
+    tolerance: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """No change while busy / target is within 1 +- tolerance (as the HPA does), so noise never flaps."""
+    window_s: float = Field(default=30.0, gt=0.0)
+    """Seconds of history the busy fraction averages."""
+    interval_s: float = Field(default=2.0, gt=0.0)
+    """How often the signal is recomputed and exported."""
+
+
+class CoordinatorServiceConfig(StrictModel):
+    """The coordinator: REST API, prompt source and the generate -> score -> enqueue pipeline."""
+
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    """REST API."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Run state, replica registry and the scored-group streams."""
+    reward_address: str = "127.0.0.1:50052"
+    """host:port of the reward service."""
+    reward_token: str | None = Field(default=None, min_length=1)
+    """Bearer token sent on every call to the reward service (its `token`); set it from
+    RLFABRIC_COORDINATOR__REWARD_TOKEN. Required at start unless `insecure`."""
+    learner_address: str | None = None
+    """host:port of the learner's status API; None when the learner reports through Redis only."""
+    learner_token: str | None = Field(default=None, min_length=1)
+    """Bearer token sent to the learner's status API (its `token`); set it from
+    RLFABRIC_COORDINATOR__LEARNER_TOKEN. Required at start when `learner_address` is set, unless
+    `insecure`."""
+    max_stream_length: int = Field(default=1024, ge=1)
+    """Backpressure: stop enqueueing while the run's stream holds this many unconsumed groups."""
+    data_roots: list[str] = Field(default_factory=lambda: ["."])
+    """Folders a run's `dataset.path` must lie in, after resolving `..` and symlinks (relative ones are
+    taken from the working directory); a spec naming a path elsewhere is refused with 422. `rlfabric up`
+    allows its working directory, the run file's folder and the run directory."""
+    model_roots: list[str] = Field(default_factory=lambda: ["."])
+    """Folders a run's `model.path`, `model.reference_path` and `model.critic_path` must lie in, as for
+    `data_roots`; hub ids (`org/name`) are allowed as well."""
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve coordinator --insecure`): the tokens above are no longer
+    required at start (those set are still used) and a WARNING is logged. For tests and loopback only."""

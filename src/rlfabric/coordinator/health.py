@@ -1,0 +1,236 @@
+"""Run-health warnings read off a run's metrics series (pure functions, no I/O).
+
+Each check looks at the rows the learner appends per step (`reward_mean`, `kl`, `entropy`,
+`response_length_mean`, and the sparse `eval_reward_mean` of held-out evaluations) and returns a warning
+string when the series shows a known failure pattern of RL post-training:
+
+- reward hacking: KL to the reference and the training reward jump together;
+- overfitting: the training reward rises while the held-out reward falls;
+- entropy collapse: the policy became (nearly) deterministic;
+- response length runaway or collapse: completions grow towards the limit or shrink to nothing;
+- rollout mismatch: the engine's and the trainer's token distributions drift apart (`rollout_mismatch_kl`:
+  samples too stale for the learning rate, or an engine/trainer precision gap).
+
+Recent values are means over the last `window` rows, so that one noisy step does not warn.
+
+Two liveness checks look at the running system instead of the series (`liveness.py` gathers their inputs
+from Redis when a run's status is read, so they warn within `LEARNER_STALL_S` plus the registry's TTL):
+
+- the learner stopped consuming: groups wait in the stream, yet no step came and no learner read the
+  stream for `LEARNER_STALL_S` (a dead or hung learner);
+- no replica serves: no rollout replica of the run is registered (each one's entry expires three missed
+  heartbeats after it stops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any
+
+from rlfabric.runspec import HealthCheck, HealthSpec
+from rlfabric.runspec import HealthThresholds as HealthThresholds
+
+Row = dict[str, Any]
+HEALTH_ROWS = 500
+"""Metrics rows (the most recent) the health checks look at."""
+LEARNER_STALL_S = 25.0
+"""Seconds without a step and without a learner read of the stream, while groups wait, after which the
+learner counts as stopped (below 30 s, so that a status read warns within 30 s of the stop). A learner
+step that takes longer than this on a big model also warns, until the step ends."""
+
+
+@dataclass(frozen=True)
+class HealthWarning:
+    """One triggered check: which, what it saw, and the first step of the window that shows it."""
+
+    check: HealthCheck
+    message: str
+    since_step: int
+
+
+def series(rows: Sequence[Row], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row that has a numeric `key`, in row order (rows without `step` use their
+    index)."""
+    points = []
+    for index, row in enumerate(rows):
+        value = row.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            points.append((int(row.get("step", index)), float(value)))
+    return points
+
+
+def _mean(points: Sequence[tuple[int, float]]) -> float:
+    return fmean(value for _, value in points)
+
+
+def check_reward_hacking(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """KL and reward jumping together between the last two windows."""
+    kl, reward = series(rows, "kl"), series(rows, "reward_mean")
+    w = t.window
+    if len(kl) < 2 * w or len(reward) < 2 * w:
+        return None
+    kl_before, kl_now = _mean(kl[-2 * w : -w]), _mean(kl[-w:])
+    reward_before, reward_now = _mean(reward[-2 * w : -w]), _mean(reward[-w:])
+    kl_jumped = kl_now >= t.kl_jump_factor * max(kl_before, t.kl_floor)
+    if kl_jumped and reward_now - reward_before >= t.reward_jump:
+        message = (
+            f"possible reward hacking: KL rose {kl_before:.4g} -> {kl_now:.4g} while the training reward "
+            f"jumped {reward_before:.3g} -> {reward_now:.3g} (last {w} steps vs the {w} before)"
+        )
+        return HealthWarning("reward_hacking", message, kl[-w][0])
+    return None
+
+
+def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """Training reward rising while the held-out reward falls over the last `eval_points` evaluations."""
+    evals, reward = series(rows, "eval_reward_mean"), series(rows, "reward_mean")
+    if len(evals) < t.eval_points or not reward:
+        return None
+    (first_step, first_eval), (last_step, last_eval) = evals[-t.eval_points], evals[-1]
+    train_then = _train_reward_at(reward, first_step, t.window)
+    train_now = _train_reward_at(reward, last_step, t.window)
+    if train_then is None or train_now is None:
+        return None
+    if first_eval - last_eval >= t.eval_drop and train_now - train_then >= t.train_rise:
+        message = (
+            f"held-out reward fell {first_eval:.3g} -> {last_eval:.3g} while the training reward rose "
+            f"{train_then:.3g} -> {train_now:.3g} (steps {first_step}-{last_step}): overfitting or reward "
+            "hacking"
+        )
+        return HealthWarning("overfitting", message, first_step)
+    return None
+
+
+def _train_reward_at(reward: Sequence[tuple[int, float]], step: int, window: int) -> float | None:
+    """Mean training reward of the `window` points at or before `step`."""
+    upto = [point for point in reward if point[0] <= step][-window:]
+    return _mean(upto) if upto else None
+
+
+def check_entropy_collapse(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """Recent entropy under the absolute floor or a small fraction of its initial value."""
+    entropy = series(rows, "entropy")
+    if len(entropy) < t.window:
+        return None
+    start, now = _mean(entropy[: t.window]), _mean(entropy[-t.window :])
+    since = entropy[-t.window][0]
+    if now < t.entropy_floor:
+        message = f"entropy collapse: mean token entropy {now:.3g} nats is below {t.entropy_floor:g}"
+        return HealthWarning("entropy_collapse", message, since)
+    if len(entropy) >= 2 * t.window and now < t.entropy_ratio * start:
+        message = f"entropy collapse: mean token entropy fell {start:.3g} -> {now:.3g} nats"
+        return HealthWarning("entropy_collapse", message, since)
+    return None
+
+
+def check_response_length(
+    rows: Sequence[Row], t: HealthThresholds, max_tokens: int | None = None
+) -> HealthWarning | None:
+    """Response length running away (towards max_tokens, or far above its start) or collapsing."""
+    length = series(rows, "response_length_mean")
+    if len(length) < t.window:
+        return None
+    message = _length_problem(length, t, max_tokens)
+    return HealthWarning("response_length", message, length[-t.window][0]) if message else None
+
+
+def _length_problem(
+    length: Sequence[tuple[int, float]], t: HealthThresholds, max_tokens: int | None
+) -> str | None:
+    start, now = _mean(length[: t.window]), _mean(length[-t.window :])
+    if max_tokens and now >= t.length_limit_fraction * max_tokens:
+        return f"response length runaway: mean {now:.1f} tokens is near max_tokens={max_tokens}"
+    if now < t.length_min_tokens:
+        return f"response length collapse: mean {now:.2g} tokens"
+    if len(length) < 2 * t.window:
+        return None
+    if now > t.length_runaway_factor * start:
+        return f"response length runaway: mean grew {start:.1f} -> {now:.1f} tokens"
+    if now < t.length_collapse_ratio * start:
+        return f"response length collapse: mean fell {start:.1f} -> {now:.1f} tokens"
+    return None
+
+
+def check_rollout_mismatch(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """Recent engine/trainer mismatch above the absolute bound, or drifted far above its start."""
+    mismatch = series(rows, "rollout_mismatch_kl")
+    if len(mismatch) < t.window:
+        return None
+    start, now = _mean(mismatch[: t.window]), _mean(mismatch[-t.window :])
+    since = mismatch[-t.window][0]
+    if now > t.mismatch_kl_max:
+        message = (
+            f"rollout mismatch: engine and trainer disagree by {now:.3g} nats/token of KL (above "
+            f"{t.mismatch_kl_max:g}); samples may be too stale for the learning rate (max_staleness, "
+            "algorithm.rollout_correction)"
+        )
+        return HealthWarning("rollout_mismatch", message, since)
+    drifted = len(mismatch) >= 2 * t.window and now >= t.mismatch_floor
+    if drifted and now > t.mismatch_drift_factor * start:
+        message = f"rollout mismatch drifting: engine/trainer KL rose {start:.3g} -> {now:.3g} nats/token"
+        return HealthWarning("rollout_mismatch", message, since)
+    return None
+
+
+def health_warnings(
+    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
+) -> list[HealthWarning]:
+    """Every check the series triggers, in a fixed order (empty for a healthy or too short series)."""
+    t = thresholds or HealthThresholds()
+    found = [
+        check_reward_hacking(rows, t),
+        check_overfitting(rows, t),
+        check_entropy_collapse(rows, t),
+        check_response_length(rows, t, max_tokens),
+        check_rollout_mismatch(rows, t),
+    ]
+    return [warning for warning in found if warning]
+
+
+def run_health(
+    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
+) -> list[str]:
+    """The messages of `health_warnings`."""
+    return [w.message for w in health_warnings(rows, thresholds, max_tokens=max_tokens)]
+
+
+def stopping_warning(
+    rows: Sequence[Row], spec: HealthSpec, *, max_tokens: int | None = None
+) -> HealthWarning | None:
+    """The first triggered check the spec stops the run for, if any."""
+    stops = set(spec.auto_stop)
+    return next((w for w in health_warnings(rows, spec, max_tokens=max_tokens) if w.check in stops), None)
+
+
+def last_good_checkpoint(rows: Sequence[Row], since_step: int, keep: int) -> int | None:
+    """The newest checkpoint step before `since_step` among the `keep` newest the learner still holds
+    (rows carry `checkpoint_step` on the steps that wrote one); None when none qualifies."""
+    steps = sorted({int(p[1]) for p in series(rows, "checkpoint_step")})[-keep:]
+    good = [step for step in steps if step < since_step]
+    return good[-1] if good else None
+
+
+def check_learner_stalled(
+    waiting_groups: int, since_step_s: float | None, learner_idle_s: float | None, run_age_s: float
+) -> str | None:
+    """The learner stopped consuming: `waiting_groups` > 0 groups wait in the stream, the last step is
+    `since_step_s` old (None: no step yet, the run's age counts) and the learner's last read of the stream
+    `learner_idle_s` (None: no learner ever read it), both at least `LEARNER_STALL_S`."""
+    quiet_s = run_age_s if since_step_s is None else since_step_s
+    idle_s = run_age_s if learner_idle_s is None else learner_idle_s
+    if waiting_groups <= 0 or min(quiet_s, idle_s) < LEARNER_STALL_S:
+        return None
+    step = "no learner step yet" if since_step_s is None else f"no learner step for {since_step_s:.0f} s"
+    return (
+        f"learner stopped consuming: {step} and no read of the stream for {idle_s:.0f} s while "
+        f"{waiting_groups} group(s) wait (is the learner running?)"
+    )
+
+
+def check_no_replica(registered: int) -> str | None:
+    """No rollout replica is registered for the run, so nothing generates."""
+    if registered > 0:
+        return None
+    return "no rollout replica serves the run: none is registered (none sent a heartbeat lately)"

@@ -1,0 +1,138 @@
+"""Runs the pipelines of the coordinator's runs, and resumes them after a restart.
+
+A submitted run becomes `running` and gets a `RunPipeline` task. The pipeline's end decides the state:
+`completed` when the learner reached its step budget (or every prompt was trained), `stopped` after a stop
+request, `failed` with the reason when the dataset cannot be used or the pipeline crashes. In every final
+state the learner is told to finish (`rlfabric:{run}:stop_requested`), so `rlfabric up` can shut down.
+A progress task mirrors the learner's latest step and version into the run record; for a run with
+`health.auto_stop` checks, a health task stops the run when one triggers (keeping the last good checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.dataset import DatasetError
+from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
+from rlfabric.coordinator.pipeline import RunPipeline
+from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunStore
+from rlfabric.runtime.aio import cancel_point
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 2.0
+"""How often a run with automatic stops has its health checked."""
+
+
+class RunManager:
+    def __init__(self, config: CoordinatorServiceConfig, redis: Any) -> None:
+        self.config, self.redis = config, redis
+        self.store = RunStore(redis)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def resume(self) -> None:
+        """Picks up the runs a previous coordinator left pending or running."""
+        for record in await self.store.list(states={"pending", "running"}, limit=1000):
+            await self.on_submit(record)
+
+    async def on_submit(self, record: RunRecord) -> None:
+        if record.run_id in self.tasks:
+            return
+        await self.store.set_state(record.run_id, "running")
+        task = asyncio.get_running_loop().create_task(self.drive(record))
+        self.tasks[record.run_id] = task
+
+    async def on_stop(self, record: RunRecord) -> None:
+        """The API already flagged the run; the pipeline notices at its next loop."""
+
+    async def drive(self, record: RunRecord) -> None:
+        run_id = record.run_id
+        loop = asyncio.get_running_loop()
+        helpers = [
+            loop.create_task(self.mirror_progress(run_id)),
+            loop.create_task(self.watch_health(record)),
+        ]
+        try:
+            state, error = await self.run_pipeline(record), None
+        except DatasetError as exc:
+            state, error = "failed", str(exc)
+        except Exception as exc:
+            log.exception("run %s failed", run_id)
+            state, error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            for helper in helpers:
+                helper.cancel()
+            self.tasks.pop(run_id, None)
+        # nx: a health stop already told the learner "health" (stop at once, no further checkpoint)
+        await self.redis.set(f"rlfabric:{run_id}:stop_requested", state, nx=True)
+        await self.sync_progress(run_id)
+        try:
+            await self.store.set_state(run_id, state, error)  # type: ignore[arg-type]
+        except InvalidTransition:  # already final (a pending run stopped by the API): keep that state
+            log.info("run %s was already final; pipeline ended as %s", run_id, state)
+        log.info("run %s %s", run_id, state)
+
+    async def run_pipeline(self, record: RunRecord) -> str:
+        pipeline = RunPipeline(
+            record.run_id,
+            record.spec,
+            self.redis,
+            self.config.reward_address,
+            self.config.max_stream_length,
+            self.config.scaling,
+            reward_token=self.config.reward_token,
+        )
+        return await pipeline.run(lambda: self.store.stop_requested(record.run_id))
+
+    async def mirror_progress(self, run_id: str) -> None:
+        while True:
+            cancel_point()
+            await asyncio.sleep(1.0)
+            try:
+                await self.sync_progress(run_id)
+            except Exception:  # tolerated: the next second tries again
+                log.warning("could not mirror progress of %s", run_id, exc_info=True)
+
+    async def sync_progress(self, run_id: str) -> None:
+        rows = [
+            r for r in await self.store.recent_metrics(run_id, 20) if "step" in r and "policy_version" in r
+        ]
+        if rows:
+            await self.store.update_progress(run_id, int(rows[-1]["step"]), int(rows[-1]["policy_version"]))
+
+    async def watch_health(self, record: RunRecord) -> None:
+        """Stops the run when a check in its `health.auto_stop` triggers."""
+        if not record.spec.health.auto_stop:
+            return
+        while True:
+            cancel_point()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            try:
+                if await self.stop_if_unhealthy(record):
+                    return
+            except Exception:  # tolerated: Redis restarting; the next interval looks again
+                log.warning("health check of %s failed", record.run_id, exc_info=True)
+
+    async def stop_if_unhealthy(self, record: RunRecord) -> bool:
+        """One look at the run's metrics; True when it stopped the run. The learner is told first (it
+        stops before its next step and writes no further checkpoint, so the good ones stay)."""
+        spec, run_id = record.spec, record.run_id
+        rows = await self.store.recent_metrics(run_id, HEALTH_ROWS)
+        warning = stopping_warning(rows, spec.health, max_tokens=spec.rollout.sampling.max_tokens)
+        if warning is None:
+            return False
+        await self.redis.set(f"rlfabric:{run_id}:stop_requested", "health")
+        good = last_good_checkpoint(rows, warning.since_step, spec.train.keep_checkpoints)
+        await self.store.add_warning(run_id, warning.message)
+        await self.store.request_stop(run_id, f"health: {warning.message}", good)
+        log.warning("run %s stopped by its health check %s; last good checkpoint: step %s",
+                    run_id, warning.check, good)  # fmt: skip
+        return True
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)

@@ -1,0 +1,624 @@
+"""A run's generate -> score -> enqueue pipeline: the part of the coordinator that keeps engines busy.
+
+    loop until the learner finishes, the prompts run out, or a stop is requested:
+      1. admit     wait until the policy-lag bound allows another group in flight:
+                   queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step
+      2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
+      3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
+                   only once it serves the learner's latest announced version
+      4. score     the group's n completions in one Score call
+      5. enqueue   the ScoredGroup, exactly once per group id (a Lua script: mark + XADD + clear in-flight),
+                   with backpressure on the undelivered backlog; or drop it with a recorded reason
+
+A replica that fails mid-generation is excluded for a while and the group is re-dispatched elsewhere
+(counted). A prompt the replica refuses as invalid (INVALID_ARGUMENT naming `prompts[i]`: longer than the
+context, empty) is dropped with the reason `invalid_prompt`, never retried and never blamed on the replica.
+Generated samples are held until they are enqueued: a reward service that fails is retried with backoff
+(`score_retries`, and a warning in the run status while it lasts), never answered by generating again.
+Acknowledged stream entries are trimmed periodically (their summaries kept, see `streams.trim_acknowledged`).
+Every drop is recorded in `rlfabric:{run}:dropped` with its reason, so the books balance: each drawn
+prompt is enqueued once, dropped with a reason, or still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+
+from rlfabric.contracts import lineage
+from rlfabric.contracts.streams import (
+    ensure_consumer_group,
+    groups_key,
+    trim_acknowledged,
+    undelivered,
+)
+from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
+from rlfabric.coordinator.replicas import ReplicaPool
+from rlfabric.coordinator.runs import RunNotFound, RunStore, scaling_key
+from rlfabric.coordinator.scaling import (
+    BusyMeter,
+    ScalingConfig,
+    ScalingSignal,
+    clear_scaling_gauges,
+    export_scaling_gauges,
+    scaling_signal,
+)
+from rlfabric.reward.client import AsyncRewardClient, ItemResult
+from rlfabric.reward.service import spec_from_reward_spec
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime import telemetry
+from rlfabric.runtime.aio import cancel_point
+from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
+
+log = logging.getLogger(__name__)
+
+GENERATE_TIMEOUT_S = 600.0
+
+SCORE_RETRY_FIRST_S = 0.5
+"""After a failed Score call a held group waits this long before scoring again; the wait doubles each time."""
+SCORE_RETRY_MAX_S = 10.0
+"""Longest wait between two Score attempts of a held group."""
+TRIM_INTERVAL_S = 5.0
+"""How often acknowledged entries are trimmed from the groups stream."""
+INVALID_PROMPT_FIELD = "prompts["
+"""How a replica's INVALID_ARGUMENT names a prompt it refuses (`prompts[0]: ... exceed the context`)."""
+DROP_INVALID_PROMPT = "invalid_prompt"
+"""Drop reason (ledger outcome `dropped:invalid_prompt`, counter `dropped_invalid_prompt`)."""
+REWARD_WARNING = "reward service unreachable"
+"""Start of the run-status warning shown while Score calls fail."""
+REWARD_REFUSAL = "reward service refuses the run's scorer"
+"""Start of the warning shown instead while the service refuses the run's scorer (`REFUSAL_CODES`)."""
+REFUSAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+"""Score failures that are the run's configuration, not an outage: the warning gives the service's reason
+(retrying goes on, so a reward service restarted with the right settings picks the run up)."""
+
+# Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
+# between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
+# off by one.
+# KEYS: stream, enqueued-set, inflight-hash, counters; ARGV: group_id, data. Enqueue once per group id.
+ENQUEUE_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return 0
+end
+redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'group_id', ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'groups_queued', 1)
+return 1
+"""
+
+# KEYS: dropped stream, dropped-id set, inflight-hash, counters; ARGV: group_id, prompt_id, reason, detail.
+DROP_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'prompt_id', ARGV[2], 'reason', ARGV[3],
+             'detail', ARGV[4])
+  redis.call('HINCRBY', KEYS[4], 'dropped_' .. ARGV[3], 1)
+end
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: cursor, inflight-hash, counters; ARGV: position, group_id, in-flight record. Takes the prompt at
+# `position` and records it in flight; a retry whose first call ran finds its own record and succeeds.
+# 0: the cursor is elsewhere (read it again).
+DRAW_AT = """
+local taken = tonumber(redis.call('GET', KEYS[1]) or '0')
+local position = tonumber(ARGV[1])
+if taken == position + 1 and redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then
+  return 1
+end
+if taken ~= position then
+  return 0
+end
+redis.call('SET', KEYS[1], position + 1)
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'prompts_dispatched', 1)
+return 1
+"""
+
+STATUS = {
+    "ok": common_pb2.REWARD_STATUS_OK,
+    "scorer_error": common_pb2.REWARD_STATUS_SCORER_ERROR,
+    "timeout": common_pb2.REWARD_STATUS_TIMEOUT,
+}
+
+
+@dataclass
+class InFlight:
+    """A group taken from the cursor and not yet enqueued or dropped (persisted in Redis)."""
+
+    group_id: str
+    prompt_id: str
+    epoch: int
+    position: int
+    attempts: int = 0
+
+
+class Keys:
+    def __init__(self, run_id: str) -> None:
+        base = f"rlfabric:{run_id}"
+        self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
+        self.dropped_ids = f"{base}:dropped_ids"
+        self.counters, self.step = f"{base}:counters", f"{base}:step"
+        self.eval, self.groups = f"{base}:eval", groups_key(run_id)
+        self.scaling = scaling_key(run_id)
+        self.version = f"{base}:version"
+
+
+class ReplicaFailed(RuntimeError):
+    """Generation failed on one replica (it died, was refused, timed out): re-dispatch the group."""
+
+
+class InvalidPrompt(ValueError):
+    """The replica refused the prompt itself (too long for the context, empty): drop the group, never
+    retry it and never blame the replica."""
+
+
+def reward_warning(error: grpc.aio.AioRpcError) -> str:
+    """The run-status warning for a failed Score call: a refusal names the service's reason (the field and
+    why, never file contents: the reward service's messages are written so), an outage its status code."""
+    if error.code() in REFUSAL_CODES:
+        return f"{REWARD_REFUSAL} ({error.code().name}): {error.details()}; groups hold their samples"
+    return f"{REWARD_WARNING} ({error.code().name}); groups hold their samples"
+
+
+def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
+    """INVALID_ARGUMENT naming a prompt (`prompts[i]...`, the replica's field-naming convention); other
+    INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
+
+
+def prompt_to_proto(prompt: str | list[dict[str, str]], chat_template: bool) -> common_pb2.Prompt:
+    if isinstance(prompt, list):
+        messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=messages))
+    if chat_template:
+        message = common_pb2.ChatMessage(role="user", content=prompt)
+        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=[message]))
+    return common_pb2.Prompt(text=prompt)
+
+
+def sampling_to_proto(spec: RunSpec, n: int | None = None) -> rollout_pb2.SamplingParams:
+    s = spec.rollout.sampling
+    return rollout_pb2.SamplingParams(
+        n=n or s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+    )
+
+
+class RunPipeline:
+    """Everything one run's pipeline needs; `run()` returns the run's final state."""
+
+    def __init__(
+        self,
+        run_id: str,
+        spec: RunSpec,
+        redis: Any,
+        reward_address: str,
+        max_stream_length: int,
+        scaling: ScalingConfig | None = None,
+        *,
+        reward_token: str | None = None,
+    ) -> None:
+        self.run_id, self.spec, self.redis = run_id, spec, redis
+        self.keys = Keys(run_id)
+        self.reward = AsyncRewardClient(
+            reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30, token=reward_token
+        )
+        self.reward_spec = spec_from_reward_spec(spec.reward)
+        self.scaling = scaling or ScalingConfig()
+        self.meter = BusyMeter(self.scaling.window_s)
+        self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter)
+        self.max_stream_length = max_stream_length
+        self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
+        self.drop_once = redis.register_script(DROP_ONCE)
+        self.draw_at = redis.register_script(DRAW_AT)
+        self.rows: dict[str, PromptRow] = {}
+        self.store = RunStore(redis)
+        self.reward_warning: str | None = None
+        self.warning_lock = asyncio.Lock()
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    async def count(self, counter: str, n: int = 1) -> None:
+        await self.redis.hincrby(self.keys.counters, counter, n)
+
+    async def drop(self, item: InFlight, reason: str, detail: str = "") -> None:
+        await self.drop_once(
+            keys=[self.keys.dropped, self.keys.dropped_ids, self.keys.inflight, self.keys.counters],
+            args=[item.group_id, item.prompt_id, reason, detail],
+        )
+
+    async def learner_step(self) -> int:
+        return int(await self.redis.get(self.keys.step) or 0)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def run(self, stop: Callable[[], Awaitable[bool]]) -> str:
+        rows = load_rows(self.spec.dataset)
+        train, held_out = split(rows, self.spec.dataset.held_out_fraction)
+        self.rows = {r.prompt_id: r for r in rows}
+        cursor = PromptCursor(self.redis, self.run_id, train, self.spec.dataset)
+        await ensure_consumer_group(self.redis, self.run_id)
+        loop = asyncio.get_running_loop()
+        helpers = [
+            loop.create_task(self.replicas.watch()),
+            loop.create_task(self.evaluate_periodically(held_out)),
+            loop.create_task(self.export_scaling_periodically()),
+            loop.create_task(self.trim_periodically()),
+        ]
+        try:
+            return await self.dispatch_loop(cursor, stop)
+        finally:
+            for helper in helpers:
+                helper.cancel()
+            clear_scaling_gauges(self.run_id)
+            for task in self.in_flight.values():
+                task.cancel()
+            await self.replicas.close()
+            await self.reward.close()
+
+    async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> str:
+        pending = await self.leftovers()
+        exhausted = False
+        while True:
+            cancel_point()
+            if await stop():
+                return "stopped"
+            step = await self.learner_step()
+            if step >= self.spec.train.steps:
+                return "completed"
+            if exhausted and not self.in_flight and await self.drained():
+                return "completed"
+            if not await self.admits(step):
+                await asyncio.sleep(0.05)
+                continue
+            item = pending.pop(0) if pending else await self.handed_back()
+            if item is None and not exhausted:
+                item = await self.draw(cursor)
+                exhausted = item is None
+            if item is None:
+                await asyncio.sleep(0.05)
+                continue
+            self.in_flight[item.group_id] = asyncio.get_running_loop().create_task(self.process(item))
+
+    @property
+    def admit_bound(self) -> int:
+        """Groups the policy-lag bound lets be in flight or queued unread: (max_staleness + 1) steps."""
+        return (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
+
+    async def admits(self, step: int) -> bool:
+        """Policy-lag bound: groups in flight plus groups queued and not yet trained or dropped by the
+        learner stay within (max_staleness + 1) steps' worth, so every admitted group is trained within
+        that many steps of the version it is generated with (which `generate` makes the latest one).
+        A group the learner is training still counts: with max_staleness 0, generation of step t+1
+        starts only once step t is trained and published (synchronous on-policy)."""
+        return len(self.in_flight) + await self.queued_untrained() < self.admit_bound
+
+    async def queued_untrained(self) -> int:
+        """Groups enqueued that the learner has neither trained (in its current lineage) nor dropped nor
+        handed back (a restarted learner's rolled-back groups, `rlfabric.contracts.lineage`)."""
+        names = ["groups_queued", "groups_trained", "dropped_stale", "dead_lettered"]
+        raw = await self.redis.hmget(self.keys.counters, [*names, lineage.ROLLED_BACK_COUNTER])
+        queued, trained, stale, dead, rolled_back = (int(v or 0) for v in raw)
+        return max(0, queued - trained - stale - dead - rolled_back)
+
+    async def drained(self) -> bool:
+        """Everything enqueued has been trained or dropped by the learner (nothing left to wait for)."""
+        return await undelivered(self.redis, self.run_id, cap=1) == 0
+
+    async def leftovers(self) -> list[InFlight]:
+        """Groups a previous coordinator drew but never finished: re-dispatched first."""
+        raw = await self.redis.hgetall(self.keys.inflight)
+        items = [InFlight(**json.loads(v)) for v in raw.values()]
+        if items:
+            await self.count("redispatches", len(items))
+        return sorted(items, key=lambda i: (i.epoch, i.position))
+
+    async def handed_back(self) -> InFlight | None:
+        """A group a restarted learner handed back (generated by a version it rolled back), already
+        recorded in flight by the learner: dispatched again before new prompts, after the leftovers. One
+        a restarted coordinator took as a leftover is not taken twice."""
+        while (record := await lineage.take_handed_back(self.redis, self.run_id)) is not None:
+            if record["group_id"] not in self.in_flight:
+                return InFlight(**record)
+        return None
+
+    async def draw(self, cursor: PromptCursor) -> InFlight | None:
+        """The cursor's next prompt, taken and recorded in flight in one script (DRAW_AT)."""
+        while True:
+            cancel_point()
+            taken, draw = await cursor.next()
+            if draw is None:
+                return None
+            prompt_id = draw.row.prompt_id
+            item = InFlight(f"{prompt_id}:e{draw.epoch}", prompt_id, draw.epoch, draw.position)
+            keys = [cursor.key, self.keys.inflight, self.keys.counters]
+            if await self.draw_at(keys=keys, args=[taken, item.group_id, json.dumps(asdict(item))]):
+                return item
+
+    # --- one group --------------------------------------------------------------------------------
+
+    async def process(self, item: InFlight) -> None:
+        """Takes one group to its outcome. Its samples, once generated, are held across failures of the
+        later phases (scoring, enqueueing), which are retried: a group is generated again only when its
+        replica fails mid-generation."""
+        row = self.rows[item.prompt_id]
+        samples: list[rollout_pb2.GeneratedSample] | None = None
+        while True:
+            cancel_point()
+            try:
+                with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
+                    if samples is None:
+                        samples = await self.generate_group(item, row)
+                    if samples:  # [] when dropped as invalid
+                        await self.finish_group(item, row, samples, await self.score_held(row, samples))
+                break
+            except Exception:
+                log.exception("group %s failed; it stays in flight and is retried", item.group_id)
+                await asyncio.sleep(1.0)
+        self.in_flight.pop(item.group_id, None)
+
+    async def generate_group(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        """The group's samples, re-dispatched while replicas fail; [] when the prompt was dropped as
+        invalid (recorded with the reason `invalid_prompt`)."""
+        while True:
+            cancel_point()
+            try:
+                samples = await self.generate(item, row)
+                break
+            except ReplicaFailed as exc:
+                item.attempts += 1
+                await self.count("redispatches")
+                log.warning("re-dispatching %s: %s", item.group_id, exc)
+            except InvalidPrompt as exc:
+                log.warning("dropping %s: the replica refused its prompt: %s", item.group_id, exc)
+                await self.drop(item, DROP_INVALID_PROMPT, str(exc)[:500])
+                return []
+        await self.count("samples_generated", len(samples))
+        return samples
+
+    async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
+        """One Generate call on the least-loaded replica. ReplicaFailed when the replica failed (it is
+        excluded for a while), InvalidPrompt when it refused the prompt itself (not the replica's fault)."""
+        latest = int(await self.redis.get(self.keys.version) or 0)  # the learner's announced version
+        address = await self.replicas.acquire()
+        request = rollout_pb2.GenerateRequest(
+            request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
+            min_policy_version=latest,
+            prompts=[
+                rollout_pb2.GeneratePrompt(
+                    prompt_id=row.prompt_id,
+                    prompt=prompt_to_proto(row.prompt, self.spec.dataset.chat_template),
+                )
+            ],
+            sampling=sampling_to_proto(self.spec),
+        )
+        failed = True
+        try:
+            samples = [
+                s async for s in self.replicas.stub(address).Generate(request, timeout=GENERATE_TIMEOUT_S)
+            ]
+            failed = not samples
+        except grpc.aio.AioRpcError as exc:
+            if is_invalid_prompt(exc):
+                failed = False
+                raise InvalidPrompt(f"{address}: {exc.details()}") from exc
+            raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            await self.replicas.release(address, failed=failed)
+        if failed:
+            raise ReplicaFailed(f"{address}: the stream ended without samples")
+        return sorted(samples, key=lambda s: s.sample_index)
+
+    async def score(self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]) -> list[ItemResult]:
+        base = {"prompt": row.prompt, "reference": row.reference, **row.metadata}
+        items = [
+            {**base, "id": str(s.sample_index), "completion": s.text, "completion_tokens": len(s.token_ids)}
+            for s in samples
+        ]
+        return await self.reward.score(
+            items, self.reward_spec, item_timeout_s=self.spec.reward.item_timeout_s
+        )
+
+    async def score_held(
+        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]
+    ) -> list[ItemResult]:
+        """Scores held samples, retrying with exponential backoff while the Score call fails (each retry
+        counted in `score_retries`); the run status carries a warning from the first failure until a call
+        succeeds again. A scorer's own failure is not a call failure: it comes back as an item status."""
+        delay = SCORE_RETRY_FIRST_S
+        while True:
+            cancel_point()
+            try:
+                scores = await self.score(row, samples)
+            except grpc.aio.AioRpcError as exc:
+                await self.reward_outage(exc)
+                await self.count("score_retries")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, SCORE_RETRY_MAX_S)
+                continue
+            await self.reward_outage(None)
+            return scores
+
+    async def reward_outage(self, error: grpc.aio.AioRpcError | None) -> None:
+        """Keeps the run's reward-outage warning in step with the last Score call (None: it succeeded).
+        A pipeline without a run record (driven directly, as in tests) has no status to warn in."""
+        warning = None if error is None else reward_warning(error)
+        if warning == self.reward_warning:
+            return
+        async with self.warning_lock:
+            previous, self.reward_warning = self.reward_warning, warning
+            with contextlib.suppress(RunNotFound):
+                if previous is not None:
+                    await self.store.remove_warning(self.run_id, previous)
+                if warning is not None and error is not None:
+                    log.warning("%s: %s", warning, error.details())
+                    await self.store.add_warning(self.run_id, warning)
+
+    async def finish_group(
+        self,
+        item: InFlight,
+        row: PromptRow,
+        samples: list[rollout_pb2.GeneratedSample],
+        scores: list[ItemResult],
+    ) -> None:
+        failed = [s for s in scores if s.status != "ok"]
+        if failed:
+            await self.count("scorer_errors", len(failed))
+            await self.drop(item, "scorer_error", failed[0].message[:500])
+            return
+        rewards = {s.reward for s in scores}
+        if self.spec.rollout.dynamic_sampling and len(rewards) == 1:
+            await self.drop(item, "zero_variance")
+            return
+        group = self.build_group(item, samples, scores)
+        await self.wait_for_room()
+        await self.enqueue_once(
+            keys=[self.keys.groups, self.keys.enqueued, self.keys.inflight, self.keys.counters],
+            args=[item.group_id, group.SerializeToString()],
+        )
+
+    def build_group(
+        self, item: InFlight, samples: list[rollout_pb2.GeneratedSample], scores: list[ItemResult]
+    ) -> queue_pb2.ScoredGroup:
+        version = samples[0].policy_version
+        return queue_pb2.ScoredGroup(
+            run_id=self.run_id,
+            prompt_id=item.prompt_id,
+            group_id=item.group_id,
+            epoch=item.epoch,
+            prompt_token_ids=samples[0].prompt_token_ids,
+            samples=[
+                queue_pb2.ScoredSample(
+                    sample_index=s.sample_index,
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    text=s.text,
+                    finish_reason=s.finish_reason,
+                    policy_version=version,
+                    replica_id=s.replica_id,
+                    reward=common_pb2.Reward(
+                        value=r.reward, status=STATUS[r.status], components=r.components
+                    ),
+                )
+                for s, r in zip(samples, scores, strict=True)
+            ],
+            policy_version=version,
+            scorer_name=scores[0].scorer_name,
+            scorer_version=scores[0].scorer_version,
+            trace=telemetry.to_trace_context(),
+            enqueued_at=time.time(),
+        )
+
+    async def wait_for_room(self) -> None:
+        """Backpressure: never trim; wait while the undelivered backlog is at its limit."""
+        while (
+            await undelivered(self.redis, self.run_id, cap=self.max_stream_length) >= self.max_stream_length
+        ):
+            await asyncio.sleep(0.1)
+
+    async def trim_acknowledged(self) -> int:
+        """Trims every entry the learner has acknowledged (summaries kept for the ledger); counted in
+        `stream_trimmed`. The stream then holds only what is undelivered or pending."""
+        total = 0
+        while removed := await trim_acknowledged(self.redis, self.run_id):
+            total += removed
+            await self.count("stream_trimmed", removed)
+        return total
+
+    async def trim_periodically(self) -> None:
+        """Keeps the groups stream (and Redis memory) from growing with the run."""
+        while True:
+            cancel_point()
+            await asyncio.sleep(TRIM_INTERVAL_S)
+            try:
+                await self.trim_acknowledged()
+            except Exception:  # tolerated: Redis restarting; the next interval trims what is left
+                log.warning("could not trim the groups stream", exc_info=True)
+
+    # --- the autoscaling signal -------------------------------------------------------------------
+
+    def scaling_signal(self) -> ScalingSignal:
+        return scaling_signal(
+            self.meter,
+            time.monotonic(),
+            in_flight=sum(self.replicas.load.values()),
+            backlog=self.replicas.waiting,
+            per_replica=self.spec.rollout.max_in_flight_per_replica,
+            admit_bound=self.admit_bound,
+            config=self.scaling,
+        )
+
+    async def export_scaling_periodically(self) -> None:
+        """Prometheus gauges and `rlfabric:{run}:scaling` (read by the API, `rlfabric up` and the
+        learner, which copies the busy fraction into its metrics rows)."""
+        while True:
+            cancel_point()
+            await asyncio.sleep(self.scaling.interval_s)
+            signal = self.scaling_signal()
+            export_scaling_gauges(self.run_id, signal)
+            try:
+                fields = {k: str(v) for k, v in signal.as_dict().items()}
+                await self.redis.hset(self.keys.scaling, mapping={**fields, "time": str(time.time())})
+            except Exception:  # tolerated: Redis restarting; the next interval writes again
+                log.warning("could not store the scaling signal", exc_info=True)
+
+    # --- held-out evaluation ----------------------------------------------------------------------
+
+    async def evaluate_periodically(self, held_out: list[PromptRow]) -> None:
+        every = self.spec.dataset.eval_every_steps
+        if not every or not held_out:
+            return
+        done = -1
+        while True:
+            cancel_point()
+            step = await self.learner_step()
+            if step // every > done:
+                done = step // every
+                await self.evaluate(held_out, step)
+            await asyncio.sleep(0.5)
+
+    async def evaluate(self, held_out: list[PromptRow], step: int) -> None:
+        """Scores the held-out prompts with the serving policy, all at once (so the result describes one
+        version, not several); never enqueued, never trained on."""
+        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in held_out))
+        rewards = [r for rs, _ in outcomes for r in rs]
+        versions = [v for _, vs in outcomes for v in vs]
+        if rewards:
+            result = {
+                "reward_mean": sum(rewards) / len(rewards),
+                "policy_version": min(versions),
+                "step": step,
+            }
+            await self.redis.rpush(self.keys.eval, json.dumps(result))
+
+    async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
+        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
+        try:
+            samples = await self.generate(item, row)
+            scores = await self.score(row, samples)
+        except (ReplicaFailed, InvalidPrompt, grpc.aio.AioRpcError):  # tolerated: an evaluation is skipped
+            return [], []
+        return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]

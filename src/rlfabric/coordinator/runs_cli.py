@@ -1,0 +1,139 @@
+"""`rlfabric runs submit|list|status|stop`: a client of the coordinator's REST API.
+
+The API address comes from `--url` (default $RLFABRIC_API_URL, else http://127.0.0.1:8000) and the bearer
+token from `--token` (default $RLFABRIC_API_TOKEN). Exit status: 0 on success, 1 when the API answers
+with an error (its message is printed), 2 when it cannot be reached or the run file cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ApiError(Exception):
+    """The API answered with an error status."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the `runs` verbs and their options to `parser`."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=os.environ.get("RLFABRIC_API_URL", DEFAULT_URL), help="API URL")
+    common.add_argument(
+        "--token", default=os.environ.get("RLFABRIC_API_TOKEN"), help="bearer token ($RLFABRIC_API_TOKEN)"
+    )
+    common.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    submit = verbs.add_parser("submit", parents=[common], help="submit a run file (TOML, YAML or JSON)")
+    submit.add_argument("run_file", metavar="RUN_FILE")
+    submit.add_argument("--name", help="run name (overrides the file's)")
+    listing = verbs.add_parser("list", parents=[common], help="list runs, newest first")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    state = verbs.add_parser("status", parents=[common], help="state, progress, counters and warnings")
+    state.add_argument("run_id", metavar="RUN_ID")
+    state.add_argument("--json", action="store_true", help="print JSON")
+    stop = verbs.add_parser("stop", parents=[common], help="ask a run to stop")
+    stop.add_argument("run_id", metavar="RUN_ID")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the verb in `args`; returns the exit status."""
+    from rlfabric.runtime.config import ConfigError
+
+    try:
+        with _client(args) as client:
+            return VERBS[args.verb](client, args)
+    except ApiError as e:
+        print(f"rlfabric runs: {e}", file=sys.stderr)
+        return 1
+    except (httpx.TransportError, ConfigError) as e:
+        print(f"rlfabric runs: {e}", file=sys.stderr)
+        return 2
+
+
+def _client(args: argparse.Namespace) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout)
+
+
+def _call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
+    """The JSON body of a successful response; ApiError with the API's message otherwise."""
+    response = client.request(method, path, **kwargs)
+    if response.is_success:
+        return response.json()
+    raise ApiError(f"HTTP {response.status_code}: {_error_text(response)}")
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("detail") or body)
+    return str(body)
+
+
+def submit(client: httpx.Client, args: argparse.Namespace) -> int:
+    """POST the run file; prints the run id and the page URL."""
+    from rlfabric.runtime.config import read_file
+
+    spec = read_file(args.run_file)
+    if args.name:
+        spec["name"] = args.name
+    record = _call(client, "POST", "/v1/runs", json=spec)
+    print(record["run_id"])
+    print(f"page: {client.base_url}/runs/{record['run_id']}", file=sys.stderr)
+    return 0
+
+
+def list_runs(client: httpx.Client, args: argparse.Namespace) -> int:
+    """Prints a table of runs (or JSON)."""
+    runs = _call(client, "GET", "/v1/runs")["runs"]
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    print(f"{'RUN':<28} {'STATE':<10} {'STEP':>6} {'VERSION':>7}  CREATED")
+    for r in runs:
+        print(
+            f"{r['run_id']:<28} {r['state']:<10} {r['step']:>6} {r['policy_version']:>7}  {r['created_at']}"
+        )
+    return 0
+
+
+def status(client: httpx.Client, args: argparse.Namespace) -> int:
+    """Prints one run's state, progress, counters, latest metrics and warnings (or JSON)."""
+    body = _call(client, "GET", f"/v1/runs/{args.run_id}")
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    print(
+        f"run {body['run_id']}: {body['state']}, step {body['step']}, policy version {body['policy_version']}"
+    )
+    if body.get("error"):
+        print(f"error: {body['error']}")
+    for warning in body.get("warnings", []):
+        print(f"warning: {warning}")
+    counters = ", ".join(f"{k}={v}" for k, v in body.get("counters", {}).items())
+    print(f"counters: {counters}")
+    latest = {k: v for k, v in (body.get("latest_metrics") or {}).items() if not k.startswith("_")}
+    if latest:
+        print("latest metrics: " + json.dumps(latest))
+    return 0
+
+
+def stop(client: httpx.Client, args: argparse.Namespace) -> int:
+    """Asks the run to stop."""
+    body = _call(client, "POST", f"/v1/runs/{args.run_id}/stop")
+    print(f"run {body['run_id']}: stop requested (state {body['state']})")
+    return 0
+
+
+VERBS = {"submit": submit, "list": list_runs, "status": status, "stop": stop}

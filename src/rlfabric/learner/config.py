@@ -1,0 +1,43 @@
+"""Configuration of the learner process (`rlfabric serve learner`, usually under torchrun)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime.config import StrictModel
+from rlfabric.runtime.schema import LogConfig, RedisConfig, ServerConfig
+
+
+class LearnerServiceConfig(StrictModel):
+    """The learner: trains on scored groups from the run's stream and publishes weights."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50053))
+    """gRPC server of rank 0 (LearnerService.GetStatus)."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Where the run's streams live."""
+    run_id: str
+    """The run to train (streams rlfabric:{run_id}:*)."""
+    run: RunSpec
+    """The run spec (the same file the coordinator was given)."""
+    consumer_name: str | None = None
+    """Consumer name in the stream's consumer group; defaults to learner-<hostname>. Keep it stable across
+    restarts: a restarted learner first re-reads the entries it had not acknowledged."""
+    max_deliveries: int = Field(default=3, ge=1)
+    """An entry delivered this many times without being applied goes to the dead-letter stream."""
+    claim_idle_ms: int = Field(default=600_000, ge=1000)
+    """Pending entries idle this long are reclaimed from a dead consumer (XAUTOCLAIM). Must exceed the
+    longest time an entry legitimately stays unacknowledged: checkpoint_every steps plus a checkpoint."""
+    rollout_addresses: list[str] = Field(default_factory=list)
+    """Replicas to notify of new versions directly (the coordinator does it when empty)."""
+    publish_token: str | None = Field(default=None, min_length=1)
+    """Bearer token presented on UpdateWeights (the replicas' `learner_token`); set it from
+    RLFABRIC_LEARNER__PUBLISH_TOKEN."""
+    token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on LearnerService.GetStatus; set it from RLFABRIC_LEARNER__TOKEN. The process
+    refuses to start without it unless `insecure` (offline preference mode serves no API and needs none)."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve learner --insecure`): `token` is no longer required at
+    start (when set it is still enforced) and a WARNING is logged. For tests and loopback only."""

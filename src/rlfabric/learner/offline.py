@@ -1,0 +1,265 @@
+"""The offline preference run (`run.mode = "offline_preference"`): DPO or IPO on a fixed JSONL dataset.
+
+No rollout, reward service or Redis is involved; checkpoints and published weights are the online
+learner's, so replicas and evaluation read the result the same way.
+
+    load     every rank reads and tokenises the dataset itself (deterministic: nothing to broadcast),
+             and lays out the training order: `dataset.epochs` passes, pass e shuffled with
+             `dataset.shuffle_seed + e` (file order when the seed is None)
+    resume   restore the newest complete checkpoint; its `extra` holds the data cursor (pairs consumed)
+             and the consumed pair ids; the next version is above both the checkpoint's and the newest
+             published one
+    repeat until `train.steps` steps are done or the order is exhausted:
+      1. draw     the next `train.groups_per_step` pairs of the order (pairs per step in this mode)
+      2. train    PreferenceTrainer.train_step on every rank (FSDP2)
+      3. persist  every `train.checkpoint_every` steps and at the end: checkpoint with the cursor
+      4. publish  gather the full weights, write version v to the object store (always the object store:
+                  there are no replicas to broadcast to)
+      5. report   a row in <output_dir>/<run_id>/metrics.jsonl with the step's pair ids
+
+A crash after step s resumes from the last checkpoint c <= s and retrains steps c+1..s on the same pairs
+from the same model: each pair is applied exactly once in the surviving lineage (metrics.jsonl keeps the
+rows of the abandoned steps; the last row of each step is the one that counts).
+
+Dataset rows: `dataset.prompt_field` holds a string or a list of {role, content} messages;
+`preference.chosen_field` and `preference.rejected_field` hold strings. With `dataset.chat_template` the
+prompt is rendered with the model's chat template (a string becomes one user message) and each completion
+ends with the tokenizer's EOS token. `dataset.held_out_fraction` and `eval_every_steps` are not used here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfabric.learner.checkpoint import latest_complete, prune
+from rlfabric.learner.config import LearnerServiceConfig
+from rlfabric.learner.dist import World, all_reduce_max, destroy_distributed, init_distributed
+from rlfabric.learner.loop import RunPaths, write_metrics
+from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime.logs import setup_logging
+from rlfabric.weights import versions as store
+
+log = logging.getLogger(__name__)
+
+CURSOR_KEY = "cursor"
+"""Checkpoint `extra` key: pairs of the training order consumed so far (a decimal string)."""
+CONSUMED_KEY = "consumed"
+"""Checkpoint `extra` key: JSON list of the consumed pair ids, in order (for audits)."""
+KEEP_CHECKPOINTS = 2
+
+# -- dataset --------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file (blank lines skipped)."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        raise ValueError(f"offline preference datasets are JSONL files, got {path}")
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class PairTokenizer:
+    """The model's tokenizer turning a dataset row's texts into token ids."""
+
+    def __init__(self, model_path: str, chat_template: bool, max_len: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(model_path)
+        self.chat_template, self.max_len = chat_template, max_len
+
+    def prompt(self, value: str | list[dict[str, str]]) -> list[int]:
+        """A prompt string or chat messages → ids (chat-rendered with the generation prompt if enabled)."""
+        if self.chat_template:
+            messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
+            value = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        if not isinstance(value, str):
+            raise ValueError("chat-message prompts need dataset.chat_template = true")
+        return list(self.hf.encode(value, add_special_tokens=False))
+
+    def completion(self, text: str, prompt_len: int) -> list[int]:
+        """A completion's ids, ending with EOS, cut to fit `max_len` after a prompt of `prompt_len`."""
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        if self.hf.eos_token_id is not None:
+            ids.append(int(self.hf.eos_token_id))
+        return ids[: max(self.max_len - prompt_len, 0)]
+
+
+def load_pairs(spec: RunSpec) -> list[PreferencePair]:
+    """Every row of `spec.dataset.path` as a tokenised pair; the pair id is the row's index in the file."""
+    data, pref = spec.dataset, spec.preference
+    tok = PairTokenizer(spec.model.path, data.chat_template, spec.model.max_model_len)
+    pairs = []
+    for index, row in enumerate(read_jsonl(data.path)):
+        prompt = tok.prompt(row[data.prompt_field])
+        if len(prompt) >= spec.model.max_model_len:
+            raise ValueError(f"row {index}: the prompt alone fills model.max_model_len")
+        chosen = tok.completion(row[pref.chosen_field], len(prompt))
+        rejected = tok.completion(row[pref.rejected_field], len(prompt))
+        pairs.append(PreferencePair(prompt, chosen, rejected, pair_id=str(index)))
+    return pairs
+
+
+def training_order(pairs: Sequence[PreferencePair], epochs: int, seed: int | None) -> list[PreferencePair]:
+    """`epochs` passes over `pairs`, pass e shuffled with `seed + e` (file order when `seed` is None)."""
+    order: list[PreferencePair] = []
+    for epoch in range(epochs):
+        one_pass = list(pairs)
+        if seed is not None:
+            random.Random(seed + epoch).shuffle(one_pass)
+        order += one_pass
+    return order
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OfflineState:
+    """Where the run stands in its data; saved in every checkpoint."""
+
+    cursor: int = 0
+    """Pairs of the training order consumed."""
+    consumed: list[str] = field(default_factory=list)
+    """Their ids, in order."""
+
+    def to_extra(self) -> dict[str, bytes | str]:
+        return {CURSOR_KEY: str(self.cursor), CONSUMED_KEY: json.dumps(self.consumed)}
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, bytes | str]) -> OfflineState:
+        return cls(int(extra[CURSOR_KEY]), json.loads(extra[CONSUMED_KEY]))
+
+
+class OfflineRun:
+    """One rank's offline preference run: draw, train, persist, publish, report."""
+
+    def __init__(self, config: LearnerServiceConfig, world: World, trainer: PreferenceTrainer) -> None:
+        self.config, self.spec, self.world, self.trainer = config, config.run, world, trainer
+        self.paths = RunPaths.of(config)
+        self.state = OfflineState()
+        self.version = 0
+        self.stopping = False
+        self.checkpoint_step = -1
+
+    def run(self, order: Sequence[PreferencePair]) -> int:
+        """Train until the step budget or the data runs out (or SIGTERM); returns the final step."""
+        self.resume(order)
+        per_step = self.spec.train.groups_per_step
+        last = min(self.spec.train.steps, math.ceil(len(order) / per_step))
+        while self.trainer.step < last and not self.stop_requested():
+            self.step(order[self.state.cursor : self.state.cursor + per_step], last)
+        if self.trainer.step > 0 and self.checkpoint_step != self.trainer.step:
+            self.persist()
+        if self.world.is_main:
+            print(
+                f"rlfabric offline learner done at step {self.trainer.step}, version {self.version}",
+                flush=True,
+            )
+        return self.trainer.step
+
+    def resume(self, order: Sequence[PreferencePair]) -> None:
+        """Restore the newest complete checkpoint (if any) and pick the next weights version (above the
+        checkpoint's and every published one; rank 0's view of the store, shared by all ranks)."""
+        latest = latest_complete(self.paths.checkpoints)
+        if latest is not None:
+            self.state = OfflineState.from_extra(self.trainer.load_checkpoint(latest))
+            self.checkpoint_step = self.trainer.step
+            if [p.pair_id for p in order[: self.state.cursor]] != self.state.consumed:
+                raise ValueError(f"{latest} consumed other pairs: the dataset or its order changed")
+            log.info("resumed", extra={"checkpoint": str(latest), "step": self.trainer.step})
+        published = (store.latest_committed(self.paths.weights_root) or 0) if self.world.is_main else 0
+        self.version = all_reduce_max(max(self.trainer.policy_version, published), self.world)
+
+    def stop_requested(self) -> bool:
+        """Whether any rank was asked to stop (collective: every rank agrees)."""
+        return all_reduce_max(int(self.stopping), self.world) > 0
+
+    def step(self, pairs: Sequence[PreferencePair], last: int) -> None:
+        """Phases 2-5 of the module docstring on the step's pairs."""
+        start = time.perf_counter()
+        metrics = self.trainer.train_step(pairs)
+        metrics["step_seconds"] = time.perf_counter() - start
+        self.state.cursor += len(pairs)
+        self.state.consumed.extend(p.pair_id for p in pairs)
+        self.version += 1
+        self.trainer.policy_version = self.version
+        if self.trainer.step % self.spec.train.checkpoint_every == 0 or self.trainer.step >= last:
+            metrics["checkpoint_seconds"] = self.persist()
+        metrics["publish_seconds"] = self.publish()
+        self.report(metrics, pairs)
+
+    def persist(self) -> float:
+        """Checkpoint the model with the data cursor (collective); returns the seconds it took."""
+        start = time.perf_counter()
+        self.trainer.save_checkpoint(self.paths.checkpoints, extra=self.state.to_extra())
+        if self.world.is_main:
+            prune(self.paths.checkpoints, keep=KEEP_CHECKPOINTS)
+        self.checkpoint_step = self.trainer.step
+        return time.perf_counter() - start
+
+    def publish(self) -> float:
+        """Gather the full weights (collective) and publish them as `self.version` from rank 0."""
+        start = time.perf_counter()
+        state_dict = self.trainer.full_state_dict()
+        if self.world.is_main:
+            metadata = {"step": self.trainer.step, "pairs_consumed": self.state.cursor}
+            store.publish_version(self.paths.weights_root, self.version, state_dict, metadata=metadata)
+            store.prune(self.paths.weights_root, keep=self.spec.weights.keep_versions)
+        return time.perf_counter() - start
+
+    def report(self, metrics: dict[str, float], pairs: Sequence[PreferencePair]) -> None:
+        """Rank 0: one metrics.jsonl row for the step."""
+        if not self.world.is_main:
+            return
+        row: dict[str, Any] = {"step": self.trainer.step, "policy_version": self.version, "time": time.time()}
+        row.update(metrics, pairs_consumed=self.state.cursor, pair_ids=[p.pair_id for p in pairs])
+        write_metrics(self.paths.metrics, row)
+
+    def request_stop(self, *_: Any) -> None:
+        self.stopping = True
+
+
+def run_offline(config: LearnerServiceConfig, device: torch.device | None = None) -> int:
+    """The whole offline run on this rank (joins the process group if needed); returns the final step.
+
+    `device` defaults to this rank's GPU when there is one, else the CPU."""
+    if config.run.mode != "offline_preference":
+        raise ValueError(f"run.mode is {config.run.mode!r}, not 'offline_preference'")
+    world = init_distributed(device)
+    spec = config.run
+    trainer = PreferenceTrainer(spec, spec.model.path, device=world.device, world=world)
+    order = training_order(load_pairs(spec), spec.dataset.epochs, spec.dataset.shuffle_seed)
+    offline = OfflineRun(config, world, trainer)
+    if threading.current_thread() is not threading.main_thread():
+        return offline.run(order)
+    previous = signal.signal(signal.SIGTERM, offline.request_stop)
+    try:
+        return offline.run(order)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve_offline(config: LearnerServiceConfig) -> int:
+    """`rlfabric serve learner` when `run.mode == "offline_preference"`: returns the exit code."""
+    setup_logging("learner", config.log.level, config.log.format)
+    try:
+        run_offline(config)
+    finally:
+        destroy_distributed()
+    log.info("offline learner exited", extra={"pid": os.getpid()})
+    return 0

@@ -1,0 +1,249 @@
+"""Offline preference training (DPO, IPO) on (prompt, chosen, rejected) pairs, FSDP2-sharded.
+
+`PreferenceTrainer.train_step(pairs)` runs in named phases, like the online `Trainer`:
+1. plan: this rank's share of the pairs (round-robin), cut into micro-batches of whole pairs (a pair's two
+   completions are consecutive rows of one forward pass), padded to the same count on every rank (FSDP
+   collectives need it), and the step's pair count summed over the ranks;
+2. reference pass: the frozen reference's log-prob of each completion, without gradient;
+3. accumulate: per micro-batch, the policy's log-probs, the loss by name (`spec.preference.loss`), and
+   backward;
+4. optimizer step: grad clipping, AdamW, LR schedule (the online trainer's `build_optimizer`);
+5. metrics: one all-reduce of every summed statistic.
+
+A completion's log-prob is the sum of its tokens' log-probs for DPO and their mean for IPO (the IPO paper's
+choice, and TRL's). The losses average over pairs, so gradient accumulation is exact when each micro-batch
+of P pairs is weighted by `P / global_pairs`; FSDP averages gradients over ranks, so each rank's loss is
+also multiplied by the world size. The reference is always loaded: DPO needs it whatever `kl.coef` says.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from rlfabric.learner.algorithms import PREFERENCE_LOSSES, masked_sum
+from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
+from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, defer_gradient_sync
+from rlfabric.learner.parts import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
+from rlfabric.runspec import RunSpec
+
+SUMMED_STATS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+"""The losses' per-pair statistics (batch means), accumulated as sums over pairs."""
+
+
+@dataclass
+class PreferencePair:
+    """One preference judgement: the same prompt, a preferred and a dispreferred completion (token ids)."""
+
+    prompt_token_ids: list[int]
+    """The prompt, at least one token."""
+    chosen_token_ids: list[int]
+    """The preferred completion, at least one token."""
+    rejected_token_ids: list[int]
+    """The dispreferred completion, at least one token."""
+    pair_id: str = ""
+    """Identity of the pair (its dataset row), for the consumed-pair ledger."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids"):
+            if not getattr(self, name):
+                raise ValueError(f"pair {self.pair_id!r}: {name} is empty")
+
+
+def pairs_as_groups(pairs: Sequence[PreferencePair]) -> list[GroupSamples]:
+    """Each pair as a group of two samples, chosen first: rows 2i and 2i+1 of the step's micro-batches."""
+    return [
+        GroupSamples(
+            p.prompt_token_ids,
+            [Rollout(p.chosen_token_ids, [0.0] * len(p.chosen_token_ids), 1.0),
+             Rollout(p.rejected_token_ids, [0.0] * len(p.rejected_token_ids), 0.0)],
+            p.pair_id,
+        )
+        for p in pairs
+    ]  # fmt: skip
+
+
+def pairs_per_micro_batch(micro_batch_size: int) -> int:
+    """Pairs in one forward pass of `micro_batch_size` sequences (at least one pair)."""
+    return max(1, micro_batch_size // 2)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """Log-prob of each target, in float32 chunks along T. `logits` (B, T, V), `targets` (B, T) → (B, T)."""
+    out = []
+    for start in range(0, logits.shape[1], LOGPROB_CHUNK):
+        chunk = logits[:, start : start + LOGPROB_CHUNK].float()
+        target = targets[:, start : start + LOGPROB_CHUNK].unsqueeze(-1)
+        out.append(chunk.gather(-1, target).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(out, dim=1)
+
+
+def completion_logprobs(model: nn.Module, mb: MicroBatch, pad_id: int, *, average: bool) -> Tensor:
+    """`model`'s log-prob of each row's completion, summed (or averaged) over its tokens: (B,)."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    total = masked_sum(token_logprobs(logits, mb.targets(pad_id)), mb.loss_mask, dim=-1)
+    return total / mb.loss_mask.sum(-1).clamp(min=1.0) if average else total
+
+
+@dataclass
+class PairMicroBatch:
+    """One forward pass of whole pairs: rows 2i (chosen) and 2i+1 (rejected) of `mb` are pair i."""
+
+    mb: MicroBatch
+    """On this rank's device; a padding micro-batch (one empty row) when `pairs` is 0."""
+    pairs: int
+    """Pairs in it: 0 for padding."""
+    ref_logps: Tensor | None = None
+    """(2 * pairs,) the reference's completion log-probs, rows as in `mb` (set by the reference pass)."""
+
+
+class PreferenceTrainer:
+    """Policy, frozen reference, optimizer and schedule of one learner rank, trained on preference pairs."""
+
+    def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
+        self.spec, self.world, self.device = spec, world, device
+        random.seed(spec.train.seed)
+        torch.manual_seed(spec.train.seed)
+        dtype = compute_dtype(spec.model.dtype, device)
+        checkpointing = spec.train.activation_checkpointing
+        compile_blocks = spec.train.compile
+        self.model = load_model(
+            model_path,
+            device,
+            dtype,
+            trainable=True,
+            checkpointing=checkpointing,
+            compile_blocks=compile_blocks,
+        )
+        reference_path = spec.model.reference_path or model_path
+        self.reference = load_model(
+            reference_path, device, dtype, trainable=False, checkpointing=False, compile_blocks=compile_blocks
+        )
+        self.optimizer, self.scheduler = build_optimizer(self.model, spec)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.average = spec.preference.loss == "ipo"
+        self.step = 0
+        self.policy_version = 0
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    def train_step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
+        """One optimizer step on `pairs` (the same list on every rank). Returns global metrics."""
+        if not pairs:
+            raise ValueError("a train step needs at least one pair")
+        self.optimizer.zero_grad(set_to_none=True)
+        plan, global_pairs = self.plan(pairs)
+        sums = self._accumulate(plan, global_pairs)
+        grad_norm, lr = self._optimizer_step()
+        metrics = self._finish_metrics(sums)
+        metrics.update(grad_norm=grad_norm, lr=lr)
+        self.step += 1
+        self.policy_version += 1
+        return metrics
+
+    def plan(self, pairs: Sequence[PreferencePair]) -> tuple[list[PairMicroBatch], float]:
+        """Phases 1-2: this rank's micro-batches with reference log-probs, and the global pair count."""
+        mine = list(pairs[self.world.rank :: self.world.size])
+        per_mb = pairs_per_micro_batch(self.spec.train.micro_batch_size)
+        mbs = build_micro_batches(pairs_as_groups(mine), 2 * per_mb, self.pad_id)
+        plan = [PairMicroBatch(mb.to(self.device), int(mb.input_ids.shape[0]) // 2) for mb in mbs]
+        missing = all_reduce_max(len(plan), self.world) - len(plan)
+        plan += [PairMicroBatch(empty_micro_batch(self.pad_id).to(self.device), 0) for _ in range(missing)]
+        self._reference_pass(plan)
+        local = torch.tensor([float(len(mine))], device=self.device)
+        return plan, float(all_reduce_sum(local, self.world).item())
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
+
+    def save_checkpoint(self, root: str | Path, extra: dict[str, bytes | str] | None = None) -> Path:
+        """Write a resumable checkpoint of this step under `root` (collective)."""
+        state = CheckpointState(self.step, self.policy_version, dict(extra or {}))
+        return save_checkpoint(root, state, self._train_objects(), self.world)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, bytes | str]:
+        """Resume from the checkpoint at `path` (collective); returns the caller's `extra`."""
+        state = load_checkpoint(path, self._train_objects(), self.world)
+        self.step, self.policy_version = state.step, state.policy_version
+        return state.extra
+
+    def _train_objects(self) -> TrainObjects:
+        return TrainObjects(self.model, self.optimizer, self.scheduler)
+
+    # -- phase 2: reference pass ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _reference_pass(self, plan: list[PairMicroBatch]) -> None:
+        """The reference's completion log-probs of every micro-batch (padding ones too: FSDP collectives)."""
+        for pmb in plan:
+            pmb.ref_logps = completion_logprobs(self.reference, pmb.mb, self.pad_id, average=self.average)
+
+    # -- phase 3: accumulate ----------------------------------------------------------------------------
+
+    def _accumulate(self, plan: list[PairMicroBatch], global_pairs: float) -> dict[str, Tensor]:
+        """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
+        sums: dict[str, Tensor] = {}
+        for i, pmb in enumerate(plan):
+            defer_gradient_sync([self.model], self.world, defer=i < len(plan) - 1)
+            for name, value in self._micro_batch_backward(pmb, global_pairs).items():
+                sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value
+        return sums
+
+    def _micro_batch_backward(self, pmb: PairMicroBatch, global_pairs: float) -> dict[str, Tensor]:
+        """Loss of one micro-batch, weighted into the step's mean over pairs, backpropagated. Returns sums."""
+        logps = completion_logprobs(self.model, pmb.mb, self.pad_id, average=self.average)  # (2P,)
+        if pmb.pairs == 0:
+            (logps.sum() * 0.0).backward()  # padding: the forward and backward collectives only
+            return {}
+        assert pmb.ref_logps is not None
+        loss, stats = self._loss(logps[0::2], logps[1::2], pmb.ref_logps[0::2], pmb.ref_logps[1::2])
+        weight = pmb.pairs / max(global_pairs, 1.0)
+        (loss * (weight * self.world.size)).backward()
+        sums = {name: stats[name] * pmb.pairs for name in SUMMED_STATS}
+        sums.update(
+            loss=loss.detach() * pmb.pairs,
+            logps_chosen=logps[0::2].detach().sum(),
+            logps_rejected=logps[1::2].detach().sum(),
+            tokens=pmb.mb.loss_mask.sum(),
+            pairs=torch.tensor(float(pmb.pairs), device=self.device),
+        )
+        return sums
+
+    def _loss(
+        self, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`spec.preference.loss` on (P,) completion log-probs → mean loss () and its statistics."""
+        pref = self.spec.preference
+        options = {"beta": pref.beta}
+        if pref.loss == "dpo":
+            options["label_smoothing"] = pref.label_smoothing
+        return PREFERENCE_LOSSES[pref.loss](chosen, rejected, ref_chosen, ref_rejected, **options)
+
+    # -- phase 4: optimizer step ------------------------------------------------------------------------
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip the global grad norm, step AdamW and the schedule; returns (grad_norm, lr used)."""
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.spec.optim.grad_clip)
+
+    # -- phase 5: metrics -------------------------------------------------------------------------------
+
+    def _finish_metrics(self, sums: dict[str, Tensor]) -> dict[str, float]:
+        """Sum every statistic over the ranks (one all-reduce) and turn sums into means over pairs."""
+        names = ("loss", *SUMMED_STATS, "logps_chosen", "logps_rejected", "tokens", "pairs")
+        zero = torch.zeros((), device=self.device)
+        stacked = torch.stack([sums.get(n, zero).float() for n in names])
+        total = dict(zip(names, all_reduce_sum(stacked, self.world).tolist(), strict=True))
+        pairs = max(total["pairs"], 1.0)
+        metrics = {name: total[name] / pairs for name in names[:-2]}
+        metrics.update(tokens=total["tokens"], pairs=total["pairs"])
+        return metrics

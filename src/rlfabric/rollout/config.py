@@ -1,0 +1,87 @@
+"""Configuration of a rollout replica (`rlfabric serve rollout`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfabric.runtime.config import StrictModel
+from rlfabric.runtime.schema import LogConfig, RedisConfig, ServerConfig
+
+
+class EngineConfig(StrictModel):
+    """The generation engine."""
+
+    kind: Literal["vllm", "transformers"] = "vllm"
+    """vllm in production; transformers is the small reference engine (no vLLM needed)."""
+    model: str
+    """Local folder or hub id of the base model (policy version 0)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
+    with AMX) and float32 elsewhere (`rlfabric.runtime.hardware`); bfloat16 on a CPU without AMX warns."""
+    max_model_len: int = Field(default=2048, ge=16)
+    """Longest prompt + completion in tokens."""
+    kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    """KV cache size (vLLM on CPU needs it explicitly)."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: starts faster, generates slower."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    seed: int = 0
+    """Engine seed."""
+    worker_wait: Literal["auto", "spin", "block"] = "auto"
+    """How vLLM's engine core and model worker wait for each other: `spin` polls (shortest wait: right when
+    the worker computes on a GPU), `block` sleeps until the message arrives (on a CPU the spinning takes
+    cycles from the worker's threads on the same cores), re-reading the queue at most every half of the
+    time waited so far (1 ms to 1 s), so a lost wake-up costs milliseconds, not vLLM's 5 s; auto is block
+    on CPU, spin on GPU."""
+
+
+class RolloutServiceConfig(StrictModel):
+    """A rollout replica: one engine behind the RolloutService gRPC API."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50051))
+    """gRPC server."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    engine: EngineConfig
+    """The engine and model."""
+    replica_id: str | None = None
+    """Stable id of this replica; defaults to <hostname>-<port>."""
+    max_in_flight: int = Field(default=256, ge=1)
+    """Admitted prompts not yet finished; Generate past it gets RESOURCE_EXHAUSTED."""
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    """Prompts one Generate request may carry."""
+    max_n: int = Field(default=64, ge=1)
+    """Largest `sampling.n` accepted."""
+    max_tokens: int = Field(default=4096, ge=1)
+    """Largest `sampling.max_tokens` accepted (also bounded by the model's context)."""
+    weights_root: str | None = None
+    """fsspec URL of the run's published weights; at start the replica loads the latest committed
+    version there (else it serves the base model as version 0), and object-store updates default to it."""
+    run_id: str | None = None
+    """Run whose registry and weights this replica follows; None serves the base model only."""
+    redis: RedisConfig | None = None
+    """Registry: replicas register here with a heartbeat TTL. None disables registration."""
+    version_poll_s: float = Field(default=0.1, gt=0)
+    """How often a replica bound to a run checks the learner's announced version (and loads it)."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """Registry heartbeat interval; the entry expires after three missed beats."""
+    learner_token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on UpdateWeights (the learner's `publish_token`); set it from
+    RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file. The process refuses to start without it unless
+    `insecure`."""
+    update_timeout_s: float = Field(default=120.0, gt=0)
+    """Default limit on a whole weight update."""
+    drain_timeout_s: float = Field(default=20.0, ge=0)
+    """On SIGTERM (scale-in) the replica stops taking work, marks itself draining in the registry and lets
+    its admitted requests finish for up to this long before the server stops (then `server.grace_period_s`
+    more before the rest is cancelled): whoever stops it should wait longer than the two together."""
+    min_version_wait_s: float = Field(default=30.0, gt=0)
+    """A Generate request with `min_policy_version` above the serving version waits this long for it
+    (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""
+    insecure: bool = False
+    """Serve without credentials (`rlfabric serve rollout --insecure`): `learner_token` is no longer
+    required at start (when set it is still enforced) and a WARNING is logged. For tests and loopback
+    only: without a token anyone who reaches the port can replace the weights."""

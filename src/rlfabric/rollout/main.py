@@ -1,0 +1,300 @@
+"""`rlfabric serve rollout`: one replica — an engine, its gRPC server, its registry entry, its metrics.
+
+Start-up order keeps the lifecycle guarantee: the gRPC server starts first with health NOT_SERVING (so
+probes and the registry can see the replica starting), then the engine loads, then the latest committed
+version of the run (or the base model as version 0), and only then does health say SERVING.
+
+Shutdown drains (SIGTERM, as on scale-in): the replica admits nothing new and says `draining` in the
+registry at once, so the coordinator stops dispatching to it; its admitted requests finish (up to
+`drain_timeout_s`); then the gRPC server stops and the registry entry is deleted. Nothing is re-dispatched
+that the replica could finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Info
+
+from rlfabric.contracts.registry import Heartbeat, ReplicaEntry
+from rlfabric.rollout.config import EngineConfig, RolloutServiceConfig
+from rlfabric.rollout.engine import Engine
+from rlfabric.rollout.replica import Limits, Replica
+from rlfabric.rollout.server import RolloutServicer
+from rlfabric.rollout.weights_source import WeightsSource
+from rlfabric.runtime import hardware
+from rlfabric.runtime.credentials import Credential, require_credentials
+from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
+from rlfabric.runtime.logs import setup_logging
+from rlfabric.runtime.metrics import start_metrics_server
+from rlfabric.runtime.telemetry import setup_tracing
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = full_service_name(rollout_pb2, "RolloutService")
+
+_INFO = Info("rlfabric_rollout", "The replica's identity")
+_VERSION = Gauge("rlfabric_rollout_policy_version", "Policy version serving now (-1 before the first)")
+_IN_FLIGHT = Gauge("rlfabric_rollout_in_flight_prompts", "Admitted prompts not yet finished")
+_RUNNING = Gauge("rlfabric_rollout_engine_running", "Sequences the engine is generating")
+_WAITING = Gauge("rlfabric_rollout_engine_waiting", "Sequences waiting in the engine")
+_KV = Gauge("rlfabric_rollout_kv_cache_usage", "Fraction of the KV cache in use")
+_BUSY = Gauge("rlfabric_rollout_busy_fraction", "Fraction of time since start with work in the engine")
+_TOKENS = Counter("rlfabric_rollout_generated_tokens_total", "Completion tokens generated")
+_LOAD = Gauge("rlfabric_rollout_last_weight_load_seconds", "Duration of the last weight load")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """ "auto" is bfloat16 where the device computes it natively and float32 elsewhere
+    (`rlfabric.runtime.hardware.auto_dtype`; vLLM's own "auto" would downcast float32 checkpoints to
+    bfloat16 on any CPU, even one that only emulates it). An explicit bfloat16 where it is not native logs
+    a warning."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = hardware.auto_dtype(device) if dtype == "auto" else dtype
+    warning = hardware.bfloat16_warning(name, device)
+    if warning:
+        log.warning("dtype: %s", warning)
+    return name
+
+
+def resolve_worker_wait(wait: str) -> str:
+    """ "auto" is spin on a GPU and block on a CPU (see `rlfabric.rollout.vllm_executor`)."""
+    if wait != "auto":
+        return wait
+    import torch
+
+    return "spin" if torch.cuda.is_available() else "block"
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    dtype = resolve_dtype(config.dtype)
+    if config.kind == "transformers":
+        from rlfabric.rollout.hf_engine import HfEngine
+
+        return HfEngine(config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed)
+    from rlfabric.rollout.vllm_engine import VllmEngine
+
+    return VllmEngine(
+        config.model,
+        dtype=dtype,  # type: ignore[arg-type]
+        max_model_len=config.max_model_len,
+        kv_cache_bytes=config.kv_cache_bytes,
+        enforce_eager=config.enforce_eager,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        seed=config.seed,
+        worker_wait=resolve_worker_wait(config.worker_wait),  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class Parts:
+    """Everything one replica process runs, so start-up and shutdown read as a list of steps."""
+
+    config: RolloutServiceConfig
+    engine: Engine
+    replica: Replica
+    weights: WeightsSource
+    server: GrpcServer
+    replica_id: str = ""
+    address: str = ""
+    heartbeat: Heartbeat | None = None
+    servicer: RolloutServicer | None = None
+    redis: Any = None
+
+    def entry(self) -> ReplicaEntry:
+        return ReplicaEntry(
+            replica_id=self.replica_id,
+            address=self.address,
+            version=self.replica.version if self.replica.version is not None else -1,
+            serving=self.replica.serving,
+            in_flight=self.replica.in_flight,
+            capacity=self.replica.limits.max_in_flight,
+            model=self.config.engine.model,
+            engine=self.engine.kind,
+            draining=self.replica.draining,
+        )
+
+
+def assemble(config: RolloutServiceConfig) -> Parts:
+    engine = build_engine(config.engine)
+    limits = Limits(
+        max_in_flight=config.max_in_flight,
+        max_n=config.max_n,
+        max_tokens=config.max_tokens,
+        max_prompts=config.max_prompts_per_request,
+        min_version_wait_s=config.min_version_wait_s,
+    )
+    replica = Replica(engine, limits)
+    weights = WeightsSource(engine, base_model_dir=config.engine.model, root_url=config.weights_root)
+    return Parts(config, engine, replica, weights, GrpcServer(options_from_config(config.server)))
+
+
+async def start_server(parts: Parts) -> None:
+    config = parts.config
+    port_holder: dict[str, Any] = {}
+
+    async def on_serving_change(serving: bool) -> None:
+        await parts.server.set_serving(SERVICE, serving)
+        await parts.server.set_serving("", serving)
+
+    servicer = RolloutServicer(
+        parts.replica,
+        parts.weights,
+        replica_id="(starting)",
+        address="",
+        model=config.engine.model,
+        learner_token=config.learner_token,
+        update_timeout_s=config.update_timeout_s,
+        on_serving_change=on_serving_change,
+    )
+    parts.servicer = servicer
+    parts.server.add_servicer(
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE, serving=False
+    )
+    port_holder["port"] = await parts.server.start()
+    await parts.server.set_serving("", False)
+    parts.address = f"{config.server.host}:{port_holder['port']}"
+    parts.replica_id = config.replica_id or f"{socket.gethostname()}-{port_holder['port']}"
+    servicer.replica_id, servicer.address = parts.replica_id, parts.address
+    print(f"rlfabric rollout replica {parts.replica_id} listening on {parts.address}", flush=True)
+
+
+async def load_initial_weights(parts: Parts) -> None:
+    """The latest committed version of the run, else the base model as version 0."""
+    await parts.engine.start()
+    latest = await parts.weights.latest()
+    if latest:
+        path = await parts.weights.stage(parts.weights.root_url or "", latest)
+        await parts.engine.load_weights_dir(path)
+        await parts.engine.reset_prefix_cache()
+        parts.weights.serving_dir = path
+    parts.replica.start_serving(latest or 0, parts.weights.restore_loader())
+    await parts.server.set_serving(SERVICE, True)
+    await parts.server.set_serving("", True)
+    print(f"rlfabric rollout replica {parts.replica_id} serving version {latest or 0}", flush=True)
+
+
+async def start_heartbeat(parts: Parts) -> None:
+    """Registers the replica in Redis (when configured) and keeps the entry alive."""
+    if parts.config.redis is None:
+        return
+    import redis.asyncio as aioredis
+
+    parts.redis = aioredis.Redis.from_url(
+        parts.config.redis.url, socket_timeout=parts.config.redis.socket_timeout_s
+    )
+    parts.heartbeat = Heartbeat(parts.redis, parts.config.run_id, parts.entry, parts.config.heartbeat_s)
+    await parts.heartbeat.start()
+
+
+async def follow_versions(parts: Parts) -> None:
+    """Loads each version the learner announces in `rlfabric:{run}:version` from the run's object store.
+    A version that fails (it does not verify, it was pruned) is skipped until a newer one is announced."""
+    assert parts.servicer is not None and parts.redis is not None
+    key, failed = f"rlfabric:{parts.config.run_id}:version", -1
+    while True:
+        await asyncio.sleep(parts.config.version_poll_s)
+        try:
+            announced = int(await parts.redis.get(key) or 0)
+        except Exception:  # tolerated: Redis may be restarting; retried at the next poll
+            log.warning("could not read the announced version", exc_info=True)
+            continue
+        if announced <= (parts.replica.version or 0) or announced == failed:
+            continue
+        request = rollout_pb2.UpdateWeightsRequest(
+            version=announced, object_store=rollout_pb2.ObjectStoreSource()
+        )
+        try:
+            await parts.servicer.apply(request)
+        except Exception:  # tolerated and counted in the log: the old version keeps serving
+            failed = announced
+            log.exception("could not load announced version %s; the old version keeps serving", announced)
+
+
+async def export_metrics(parts: Parts) -> None:
+    _INFO.info({"model": parts.config.engine.model, "engine": parts.engine.kind, "replica": parts.replica_id})
+    counted = 0
+    while True:
+        stats = parts.engine.stats()
+        _VERSION.set(parts.replica.version if parts.replica.version is not None else -1)
+        _IN_FLIGHT.set(parts.replica.in_flight)
+        _RUNNING.set(stats.running)
+        _WAITING.set(stats.waiting)
+        _KV.set(stats.kv_cache_usage)
+        _BUSY.set(parts.replica.busy_fraction())
+        _LOAD.set(parts.replica.last_load_s)
+        _TOKENS.inc(parts.replica.tokens_generated - counted)
+        counted = parts.replica.tokens_generated
+        await asyncio.sleep(1.0)
+
+
+def install_drain_on_signal(parts: Parts) -> None:
+    """SIGTERM and SIGINT start `drain_and_stop` once; a repeated signal is ignored."""
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s: draining", sig.name)
+        if not stopping:
+            stopping.append(loop.create_task(drain_and_stop(parts)))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def drain_and_stop(parts: Parts) -> None:
+    """1. admit nothing new; 2. announce `draining` in the registry now (not at the next beat); 3. let the
+    admitted requests finish, up to `drain_timeout_s`; 4. stop the server (its grace cancels the rest)."""
+    parts.replica.start_draining()
+    if parts.heartbeat is not None:
+        try:
+            await parts.heartbeat.beat()
+        except Exception:  # tolerated: Redis unreachable; the entry expires with its TTL instead
+            log.warning("could not announce draining in the registry", exc_info=True)
+    idle = await parts.replica.wait_idle(parts.config.drain_timeout_s)
+    if not idle:
+        log.warning("drain timed out with %d prompts in flight", parts.replica.in_flight)
+    await parts.server.stop()
+
+
+async def run(config: RolloutServiceConfig) -> None:
+    parts = assemble(config)
+    await start_server(parts)
+    install_drain_on_signal(parts)
+    tasks = [asyncio.get_running_loop().create_task(export_metrics(parts))]
+    try:
+        await load_initial_weights(parts)
+        await start_heartbeat(parts)
+        if parts.redis is not None and config.run_id and config.weights_root:
+            tasks.append(asyncio.get_running_loop().create_task(follow_versions(parts)))
+        await parts.server.wait_for_termination()
+    finally:
+        for task in tasks:
+            task.cancel()
+        if parts.heartbeat is not None:
+            with contextlib.suppress(Exception):
+                await parts.heartbeat.stop()
+        await parts.engine.close()
+        parts.weights.close()
+
+
+def serve(config: RolloutServiceConfig) -> int:
+    """The replica's entry: refuses to start without the learner's token (unless insecure), then serves."""
+    setup_logging("rollout", config.log.level, config.log.format)
+    require_credentials(
+        "rollout", [Credential("learner_token", config.learner_token)], insecure=config.insecure
+    )
+    setup_tracing("rlfabric-rollout")
+    if config.server.metrics_port is not None:
+        port = start_metrics_server(config.server.host, config.server.metrics_port)
+        print(f"rlfabric rollout metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    asyncio.run(run(config))
+    return 0

@@ -1,0 +1,270 @@
+"""A rollout replica's state machine: admission, the serving version, and in-place weight updates.
+
+No gRPC here (`server.py` adapts it). Invariants:
+- A replica serves only while it holds a published version (`version is not None`); before that,
+  Generate is refused (UNAVAILABLE) and health says NOT_SERVING.
+- Every sample carries the version the replica held when its request was admitted: an update first
+  closes admission, then waits for admitted requests to finish (or aborts them), then loads.
+- Versions only increase. An update that fails or times out leaves the old version serving; if the
+  engine may have been touched before the failure, the old weights are reloaded before serving resumes,
+  and if even that fails the replica stops serving rather than serve a half-loaded model.
+- One update at a time.
+- Draining (scale-in) is one way: once `start_draining` is called nothing new is admitted (UNAVAILABLE),
+  and what was admitted runs to the end (`wait_idle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+
+from rlfabric.rollout.engine import Engine, EngineSample, SamplingSettings
+from rlfabric.runtime.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# A loader puts a version's weights into the engine; the replica decides when it may run.
+Loader = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one Generate request may ask for."""
+
+    max_in_flight: int
+    max_n: int
+    max_tokens: int
+    max_prompts: int
+    min_version_wait_s: float = 30.0
+    """How long a request that needs a newer version than the serving one waits for it."""
+
+
+@dataclass(frozen=True)
+class UpdateTimings:
+    version: int
+    drain_s: float
+    load_s: float
+
+
+class Replica:
+    def __init__(self, engine: Engine, limits: Limits) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.version: int | None = None
+        self.in_flight = 0  # admitted prompts whose samples are not all finished
+        self.tokens_generated = 0
+        self.last_load_s = 0.0
+        self.busy_s = 0.0
+        self._busy_since: float | None = None
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._update_lock = asyncio.Lock()
+        self._requests: set[str] = set()
+        self._restore: Loader | None = None
+        self._new_version = asyncio.Event()  # set (and replaced) whenever the serving version changes
+        self.draining = False
+        self.started_at = time.monotonic()
+
+    @property
+    def serving(self) -> bool:
+        return self.version is not None
+
+    def busy_fraction(self) -> float:
+        """Fraction of wall time since start with at least one request in the engine."""
+        busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        return busy / max(time.monotonic() - self.started_at, 1e-9)
+
+    # --- generation -------------------------------------------------------------------------------
+
+    def check_request(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
+        """Raises InvalidArgument naming the field for a request this replica cannot run."""
+        if not prompts:
+            raise InvalidArgument("prompts: at least one prompt is required")
+        if len(prompts) > self.limits.max_prompts:
+            raise InvalidArgument(
+                f"prompts: {len(prompts)} prompts exceed the limit of {self.limits.max_prompts}"
+            )
+        check_sampling(sampling, self.limits)
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidArgument(f"prompts[{i}]: the prompt is empty")
+            if len(ids) + sampling.max_tokens > self.engine.max_model_len:
+                raise InvalidArgument(
+                    f"prompts[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
+                    f"context of {self.engine.max_model_len}"
+                )
+
+    async def generate(
+        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings, min_version: int = 0
+    ) -> AsyncGenerator[tuple[EngineSample, int], None]:
+        """Streams (sample, version at admission). Waits while an update holds admission closed, and
+        until the replica serves at least `min_version` (FailedPrecondition past `min_version_wait_s`)."""
+        self.check_request(prompts, sampling)
+        await self._version_at_least(min_version)
+        version = await self._admit(request_id, len(prompts))
+        try:
+            async for sample in self.engine.generate(request_id, prompts, sampling):
+                self.tokens_generated += len(sample.token_ids)
+                yield sample, version
+        finally:
+            self._release(request_id, len(prompts))
+
+    async def _version_at_least(self, min_version: int) -> None:
+        deadline = time.monotonic() + self.limits.min_version_wait_s
+        while self.version is not None and self.version < min_version:
+            changed = self._new_version
+            try:
+                await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise FailedPrecondition(
+                    f"min_policy_version: this replica serves version {self.version} and version "
+                    f"{min_version} did not arrive within {self.limits.min_version_wait_s:g} s"
+                ) from None
+
+    def _set_version(self, version: int | None) -> None:
+        self.version = version
+        self._new_version.set()
+        self._new_version = asyncio.Event()
+
+    async def _admit(self, request_id: str, count: int) -> int:
+        await self._admitting.wait()
+        if self.draining:
+            raise Unavailable("this replica is draining (shutting down): send the request to another one")
+        if self.version is None:
+            raise Unavailable("this replica holds no published weights yet")
+        if request_id in self._requests:
+            raise InvalidArgument(f"request_id: {request_id!r} is already in flight on this replica")
+        if self.in_flight + count > self.limits.max_in_flight:
+            raise ResourceExhausted(
+                f"replica at capacity: {self.in_flight} prompts in flight, limit {self.limits.max_in_flight}"
+            )
+        self.in_flight += count
+        self._requests.add(request_id)
+        self._idle.clear()
+        if self._busy_since is None:
+            self._busy_since = time.monotonic()
+        return self.version
+
+    def _release(self, request_id: str, count: int) -> None:
+        self.in_flight -= count
+        self._requests.discard(request_id)
+        if self.in_flight == 0:
+            self._idle.set()
+            if self._busy_since is not None:
+                self.busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    # --- draining ---------------------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        """Admits nothing from now on; requests already admitted continue."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no admitted request is left; False if some still run after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- weights ----------------------------------------------------------------------------------
+
+    def start_serving(self, version: int, restore: Loader) -> None:
+        """Marks the engine's current weights as `version`; `restore` reloads them after a failed update."""
+        self._set_version(version)
+        self._restore = restore
+
+    async def update(
+        self, version: int, load: Loader, *, restore: Loader, abort_in_flight: bool, timeout_s: float
+    ) -> UpdateTimings | None:
+        """Loads `version` in place; returns None when it is already serving (a no-op)."""
+        if self.version is not None and version == self.version:
+            return None
+        if self.version is not None and version < self.version:
+            raise FailedPrecondition(f"version: {version} is older than the serving version {self.version}")
+        async with self._update_lock:
+            return await self._update_locked(version, load, restore, abort_in_flight, timeout_s)
+
+    async def _update_locked(
+        self, version: int, load: Loader, restore: Loader, abort_in_flight: bool, timeout_s: float
+    ) -> UpdateTimings:
+        deadline = time.monotonic() + timeout_s
+        self._admitting.clear()
+        try:
+            drain_s = await self._drain(abort_in_flight, deadline)
+            load_s = await self._load(load, deadline)
+        finally:
+            self._admitting.set()
+        self._restore, self.last_load_s = restore, load_s
+        self._set_version(version)
+        return UpdateTimings(version, drain_s, load_s)
+
+    async def _drain(self, abort_in_flight: bool, deadline: float) -> float:
+        start = time.monotonic()
+        if abort_in_flight:
+            for request_id in list(self._requests):
+                await self.engine.abort(request_id)
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{self.in_flight} prompts still in flight at the update deadline; "
+                "the old version keeps serving"
+            ) from None
+        return time.monotonic() - start
+
+    async def _load(self, load: Loader, deadline: float) -> float:
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(load(), max(deadline - time.monotonic(), 0.001))
+            await self.engine.reset_prefix_cache()
+        except TimeoutError as exc:
+            await self._recover(exc)
+            raise DeadlineExceeded("loading the weights did not finish before the update deadline") from exc
+        except ValueError as exc:  # the engine refused the tensors (names, shapes) before touching weights
+            await self._recover(exc)
+            raise FailedPrecondition(f"weights refused by the engine: {exc}") from exc
+        except BaseException as exc:
+            await self._recover(exc)
+            raise
+        return time.monotonic() - start
+
+    async def _recover(self, exc: BaseException) -> None:
+        """After a failed load the engine may hold a mix of weights: reload the serving version's."""
+        log.error("weight update failed; restoring the serving version", exc_info=exc)
+        try:
+            if self._restore is not None:
+                await self._restore()
+                await self.engine.reset_prefix_cache()
+        except Exception:
+            log.exception("could not restore the serving version; this replica stops serving")
+            self._set_version(None)
+
+
+def check_sampling(s: SamplingSettings, limits: Limits) -> None:
+    problems = [
+        (s.n < 1 or s.n > limits.max_n, f"sampling.n: must be in [1, {limits.max_n}], got {s.n}"),
+        (
+            s.max_tokens < 1 or s.max_tokens > limits.max_tokens,
+            f"sampling.max_tokens: must be in [1, {limits.max_tokens}], got {s.max_tokens}",
+        ),
+        (not s.temperature >= 0, f"sampling.temperature: must be >= 0, got {s.temperature}"),
+        (not 0 < s.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {s.top_p}"),
+        (s.top_k < -1, f"sampling.top_k: must be -1 (off) or >= 0, got {s.top_k}"),
+        (any(not stop for stop in s.stop), "sampling.stop: stop strings must not be empty"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise InvalidArgument(message)

@@ -1,0 +1,442 @@
+"""The run spec: the user's run file (TOML, YAML or JSON), and the body of `POST /v1/runs`.
+
+This module is the one home of every training-loop default: model, dataset, sampling, reward, algorithm,
+optimiser, schedule and weight transport. Services read the sections they need; no service re-declares a
+default. A run file holds overrides only, e.g.
+
+    [model]
+    path = "Qwen/Qwen2.5-0.5B-Instruct"
+
+    [dataset]
+    path = "data/gsm8k.jsonl"
+
+    [reward]
+    scorer = "math_verify"
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from rlfabric.runtime.config import StrictModel
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+MAX_TOKENS = 1 << 20
+"""Upper bound of every length in tokens (context, completion, buffers, top-k): about a million."""
+MAX_STEPS = 10_000_000
+"""Upper bound of every count of steps or samples (steps, warm-up, intervals, epochs, horizons)."""
+MAX_BATCH = 100_000
+"""Upper bound of every per-step or per-call count (groups, sequences, items in flight or per call)."""
+MAX_KEEP = 1000
+"""Upper bound of small counts: samples per prompt, kept checkpoints and versions, windows, epochs of PPO."""
+MAX_SEED = 2**32 - 1
+"""Seeds are unsigned 32-bit."""
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""Run names (and so run ids): a letter or digit, then up to 63 letters, digits, `_`, `.` or `-`."""
+
+PathKind = Literal["data", "model"]
+"""What a path in a spec names: a dataset (confined to data roots) or a model (to model roots)."""
+
+
+class SpecModel(StrictModel):
+    """Base of every run-spec section. Besides unknown keys being errors, types are strict: no bool -> int,
+    str -> int or str -> float coercion (an int is accepted where a float is expected), floats must be
+    finite, and every integer field has an upper bound, so a spec cannot ask for absurd sizes."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class ModelSpec(SpecModel):
+    """The policy and its frozen reference."""
+
+    path: str
+    """Local folder or hub id of the policy, loaded with transformers / vLLM (weights never downloaded by
+    tests: they build tiny models with `rlfabric make-tiny-model`)."""
+    reference_path: str | None = None
+    """Reference model for the KL penalty; defaults to `path`. Online runs do not load it when the KL
+    coefficient is 0; offline preference runs always do."""
+    critic_path: str | None = None
+    """Causal LM whose transformer backbone (LM head dropped, a fresh scalar value head added) is the PPO
+    critic; defaults to `path`. Loaded only with the gae estimator."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
+    with AMX) and float32 elsewhere (`rlfabric.runtime.hardware`); bfloat16 on a CPU without AMX warns."""
+    max_model_len: int = Field(default=2048, ge=16, le=MAX_TOKENS)
+    """Longest prompt + completion in tokens."""
+
+
+class DatasetSpec(SpecModel):
+    """Where prompts come from and how they are drawn."""
+
+    path: str
+    """Local JSONL or Parquet file, or a folder written by `datasets.Dataset.save_to_disk`."""
+    prompt_field: str = "prompt"
+    """Column with the prompt: a string, or a list of {role, content} chat messages."""
+    reference_field: str | None = "answer"
+    """Column with the reference answer passed to the scorer; None if there is none."""
+    metadata_fields: list[str] = Field(default_factory=list)
+    """Extra columns passed to scorers as keyword arguments (test cases, tags, ...)."""
+    chat_template: bool = True
+    """Render string prompts as a single user message with the model's chat template."""
+    shuffle_seed: int | None = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed of the per-epoch shuffle; None keeps file order."""
+    epochs: int = Field(default=1, ge=1, le=MAX_STEPS)
+    """Passes over the training prompts."""
+    held_out_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of prompts set aside for evaluation, never trained on."""
+    eval_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    """Score the held-out split every k learner steps; 0 disables evaluation."""
+
+
+class SamplingSpec(SpecModel):
+    """Sampling parameters of the rollout engines."""
+
+    n: int = Field(default=8, ge=1, le=MAX_KEEP)
+    """Samples per prompt: the group size of group-based estimators."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """0 is greedy decoding (useless for group estimators: every sample is equal)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1, le=MAX_TOKENS)
+    """Top-k cut-off; -1 disables it."""
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS)
+    """Maximum completion length in tokens."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings."""
+
+
+class RolloutSpec(SpecModel):
+    """How generation is scheduled."""
+
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling parameters."""
+    max_staleness: int = Field(default=1, ge=0, le=MAX_KEEP)
+    """Policy lag bound: 0 is synchronous on-policy; 1 overlaps generation of step t+1 with training of
+    step t. Groups generated by an older version are dropped by the learner and counted."""
+    max_in_flight_per_replica: int = Field(default=64, ge=1, le=MAX_BATCH)
+    """Groups dispatched to one replica and not yet returned."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal for group estimators); counted."""
+
+
+class ScorerPart(SpecModel):
+    """One weighted part of a composite reward."""
+
+    scorer: str
+    """Registered scorer name (see `rlfabric score --list`)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """The scorer's parameters."""
+    weight: float = 1.0
+    """Weight of this part in the sum."""
+    alias: str | None = None
+    """Name of this part in the reward components; defaults to the scorer name."""
+
+
+class RewardSpec(SpecModel):
+    """How completions are scored."""
+
+    scorer: str = "exact_match"
+    """Registered scorer name; "composite" uses `parts`."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """The scorer's parameters."""
+    parts: list[ScorerPart] = Field(default_factory=list)
+    """Parts of a composite scorer (only with scorer = "composite")."""
+    item_timeout_s: float = Field(default=10.0, gt=0)
+    """Deadline per scored item; a scorer past it yields status TIMEOUT, never a reward of 0."""
+    batch_size: int = Field(default=64, ge=1, le=MAX_BATCH)
+    """Items per Score call."""
+
+    @model_validator(mode="after")
+    def _composite_has_parts(self) -> RewardSpec:
+        if (self.scorer == "composite") != bool(self.parts):
+            raise ValueError("parts must be given exactly when scorer is 'composite'")
+        return self
+
+
+class KLSpec(SpecModel):
+    """KL to the frozen reference: the safety rail against reward hacking."""
+
+    coef: float = Field(default=0.0, ge=0.0)
+    """Initial coefficient; 0 never loads the reference model."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(policy || reference)."""
+    mode: Literal["loss", "reward"] = "loss"
+    """loss: add coef*KL to the loss; reward: subtract it from per-token rewards."""
+    target: float | None = Field(default=None, gt=0.0)
+    """Target KL for the adaptive controller; None keeps the coefficient fixed."""
+    horizon: int = Field(default=10000, ge=1, le=MAX_STEPS)
+    """Horizon (in samples) of the adaptive controller."""
+
+
+class OverlongSpec(SpecModel):
+    """DAPO overlong shaping and truncation masking."""
+
+    penalty: bool = False
+    """Add a soft penalty in the last `buffer_tokens` before max_tokens (and -1 past it)."""
+    buffer_tokens: int = Field(default=64, ge=1, le=MAX_TOKENS)
+    """Width of the soft punishment zone."""
+    mask_truncated: bool = False
+    """Exclude completions cut at max_tokens from the loss."""
+
+
+class AlgorithmSpec(SpecModel):
+    """Advantage estimator and loss."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Estimator; gae trains a critic (PPO)."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
+        "token_mean"
+    )
+    """How per-token losses are reduced; constant is Dr.GRPO's fixed normaliser."""
+    clip_eps_low: float = Field(default=0.2, gt=0.0)
+    """PPO clip range below 1."""
+    clip_eps_high: float = Field(default=0.2, gt=0.0)
+    """PPO clip range above 1; DAPO's clip-higher raises it (e.g. 0.28)."""
+    dual_clip: float | None = Field(default=None, gt=1.0)
+    """Dual-clip bound c for negative advantages; None disables it."""
+    gspo: bool = False
+    """Use the sequence-level (geometric mean) importance ratio of GSPO."""
+    tis_cap: float | None = Field(default=2.0, gt=0.0)
+    """Upper bound of the rollout correction's per-token weight `p_trainer / p_engine` (TIS's cap); None
+    disables the correction."""
+    rollout_correction: Literal["truncate", "mask_token", "mask_sequence"] = "truncate"
+    """How the engine's log-probs correct the trainer/engine mismatch and the policy lag of asynchronous
+    runs (with `old_policy = "trainer"`). `truncate` (TIS): weight each token by `min(w, tis_cap)`.
+    `mask_token` (IcePop, token-level MIS): weight by `w` inside `[rollout_mask_low, tis_cap]`, drop the
+    token's gradient outside. `mask_sequence` (sequence-level MIS): drop whole samples whose geometric-mean
+    `w` leaves that range, truncate the rest. The masks keep one- or two-step-stale samples from pushing
+    tokens the policy has moved away from."""
+    rollout_mask_low: float = Field(default=0.5, gt=0.0, lt=1.0)
+    """Lower bound of the weight the `mask_*` corrections keep."""
+    old_policy: Literal["trainer", "rollout"] = "trainer"
+    """The policy the PPO ratio is taken against. `trainer`: the learner's own log-probs before the
+    step (a ratio of 1 with one epoch), and TIS corrects for the engine's samples. `rollout`: the
+    engine's log-probs of the sampled tokens, i.e. the behaviour policy that generated them, so the clip
+    bounds how far a step moves from it however stale the samples are (asynchronous runs); the ratio is
+    then the importance weight itself and TIS is not applied on top."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    kl: KLSpec = Field(default_factory=KLSpec)
+    """KL to the reference."""
+    overlong: OverlongSpec = Field(default_factory=OverlongSpec)
+    """Overlong shaping."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """GAE discount (gae only)."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """GAE lambda (gae only)."""
+    ppo_epochs: int = Field(default=1, ge=1, le=MAX_KEEP)
+    """Optimisation passes over each batch."""
+    value_coef: float = 0.5
+    """Weight of the critic's value loss (gae only, where it must be > 0). The critic has its own
+    optimiser, so this scales only the critic's gradient, before its clipping."""
+    value_clip: float | None = Field(default=0.2, gt=0.0)
+    """The critic's new values may move at most this far from the old ones in the value loss (PPO2's
+    value clipping, on the raw return scale); None disables it (gae only)."""
+
+    @model_validator(mode="after")
+    def _masks_have_bounds(self) -> AlgorithmSpec:
+        if self.rollout_correction != "truncate" and (self.tis_cap is None or self.tis_cap <= 1.0):
+            raise ValueError(
+                f"algorithm.tis_cap must be > 1 with rollout_correction {self.rollout_correction!r}: it is "
+                f"the upper bound of the weights kept (got {self.tis_cap})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gae_trains_a_critic(self) -> AlgorithmSpec:
+        if self.advantage == "gae" and self.value_coef <= 0:
+            raise ValueError(
+                f"algorithm.value_coef must be > 0 with advantage 'gae': the critic is trained only by the"
+                f" value loss (got {self.value_coef})"
+            )
+        return self
+
+
+class OptimSpec(SpecModel):
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = Field(default=1e-6, gt=0.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: Annotated[tuple[float, float], Field(strict=False)] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    """Linear warm-up steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    """Max global gradient norm; None disables clipping. The critic's norm is clipped separately."""
+    critic_lr: float | None = Field(default=None, gt=0.0)
+    """Peak learning rate of the critic (gae only), on the same schedule; None is 10 x `lr` (a fresh
+    value head must move faster than a pre-trained policy)."""
+
+    @property
+    def critic_peak_lr(self) -> float:
+        """`critic_lr`, or its default of 10 x `lr`."""
+        return self.critic_lr if self.critic_lr is not None else 10.0 * self.lr
+
+
+class TrainSpec(SpecModel):
+    """Steps, batches and checkpoints of the learner."""
+
+    steps: int = Field(default=100, ge=1, le=MAX_STEPS)
+    """Optimizer steps in the run."""
+    groups_per_step: int = Field(default=8, ge=1, le=MAX_BATCH)
+    """Scored groups consumed per step; in `offline_preference` mode, preference pairs per step."""
+    micro_batch_size: int = Field(default=8, ge=1, le=MAX_BATCH)
+    """Sequences per forward/backward; gradients are accumulated over the step."""
+    checkpoint_every: int = Field(default=10, ge=1, le=MAX_STEPS)
+    """Write a resumable checkpoint every k steps (and at the end)."""
+    keep_checkpoints: int = Field(default=2, ge=1, le=MAX_KEEP)
+    """Complete checkpoints kept (older ones are deleted); keep more to roll back further."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    compile: bool = False
+    """`torch.compile` the models' element-wise blocks (normalisation layers and MLPs) into fused kernels;
+    attention and the matmuls stay eager. On CPU in bfloat16 a learner step of the bench model took
+    9-20 % less time (docs/benchmarks.md); compiling costs ~10-40 s in the first step (less once
+    inductor's on-disk cache holds the kernels). Worth it for long runs; off by default so short runs
+    and tests start at once."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed of the learner's RNGs."""
+
+
+class WeightsSpec(SpecModel):
+    """How new policy versions reach the rollout replicas."""
+
+    transport: Literal["object_store", "broadcast"] = "object_store"
+    """object_store: safetensors + manifest under `url`; broadcast: torch.distributed (gloo/NCCL)."""
+    url: str | None = None
+    """fsspec URL for published versions; defaults to <output_dir>/<run>/weights."""
+    bucket_bytes: int = Field(default=256 << 20, ge=1 << 20, le=1 << 36)
+    """Broadcast bucket size."""
+    keep_versions: int = Field(default=3, ge=1, le=MAX_KEEP)
+    """Published versions kept in the object store (older ones are deleted)."""
+
+
+class PreferenceSpec(SpecModel):
+    """Offline preference training (`mode = "offline_preference"`): the loss and the dataset's columns.
+
+    The dataset's `prompt_field` holds the prompt (a string or chat messages). A micro-batch holds
+    `train.micro_batch_size // 2` pairs (at least one): a pair's two completions share a forward pass."""
+
+    loss: Literal["dpo", "ipo"] = "dpo"
+    """dpo: sigmoid DPO on summed completion log-probs; ipo: IPO on per-token mean log-probs."""
+    beta: float = Field(default=0.1, gt=0.0)
+    """Strength of the implicit KL to the reference (DPO's temperature; IPO's margin is 1 / (2 beta))."""
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
+    """DPO only: probability that a pair's labels are flipped (conservative DPO)."""
+    chosen_field: str = "chosen"
+    """Column with the preferred completion (a string)."""
+    rejected_field: str = "rejected"
+    """Column with the dispreferred completion (a string)."""
+
+
+HealthCheck = Literal[
+    "reward_hacking", "overfitting", "entropy_collapse", "response_length", "rollout_mismatch"
+]
+"""The run-health checks (see `rlfabric.coordinator.health`)."""
+
+
+class HealthThresholds(SpecModel):
+    """Thresholds of the run-health checks; every default lives here."""
+
+    window: int = Field(default=5, ge=1, le=MAX_KEEP)
+    """Rows averaged for "recent" and "before" values."""
+    kl_jump_factor: float = Field(default=2.0, gt=1.0)
+    """Reward hacking: recent KL is at least this multiple of the window before..."""
+    kl_floor: float = Field(default=1e-3, ge=0.0)
+    """...with the earlier KL taken as at least this (so KL rising from ~0 must reach a real size)..."""
+    reward_jump: float = Field(default=0.1, gt=0.0)
+    """...while the mean reward rose by at least this much between the two windows."""
+    eval_points: int = Field(default=3, ge=2, le=MAX_KEEP)
+    """Overfitting: held-out evaluations compared (the first and the last of the most recent ones)."""
+    eval_drop: float = Field(default=0.02, gt=0.0)
+    """Overfitting: the held-out reward fell by at least this much..."""
+    train_rise: float = Field(default=0.02, gt=0.0)
+    """...while the training reward rose by at least this much over the same steps."""
+    entropy_floor: float = Field(default=0.01, ge=0.0)
+    """Entropy collapse: recent mean token entropy (nats) below this..."""
+    entropy_ratio: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """...or below this fraction of the entropy in the first window."""
+    length_runaway_factor: float = Field(default=3.0, gt=1.0)
+    """Length runaway: recent mean response length above this multiple of the first window's..."""
+    length_limit_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
+    """...or above this fraction of max_tokens (most completions are being truncated)."""
+    length_collapse_ratio: float = Field(default=0.25, gt=0.0, lt=1.0)
+    """Length collapse: recent mean response length below this fraction of the first window's..."""
+    length_min_tokens: float = Field(default=2.0, ge=0.0)
+    """...or below this many tokens."""
+    mismatch_kl_max: float = Field(default=0.05, gt=0.0)
+    """Rollout mismatch: the recent mean KL between the engine's and the trainer's token distributions
+    (`rollout_mismatch_kl`, nats per token) above this: stale samples or a precision/kernel gap the
+    rollout correction is straining to cover..."""
+    mismatch_drift_factor: float = Field(default=10.0, gt=1.0)
+    """...or above this multiple of its first window's mean..."""
+    mismatch_floor: float = Field(default=0.005, ge=0.0)
+    """...once it is at least this large (a drift from ~0 must reach a real size)."""
+
+
+class HealthSpec(HealthThresholds):
+    """Run-health warnings (shown on the run status and page) and the checks that stop the run."""
+
+    auto_stop: list[HealthCheck] = Field(default_factory=list)
+    """Checks that stop the run when they trigger (the learner stops at once, writes no further
+    checkpoint, and the run reports the last checkpoint from before the problem began); [] only warns."""
+
+
+class RunSpec(SpecModel):
+    """A whole run: what to train, on what, with what reward and algorithm."""
+
+    name: str | None = Field(default=None, pattern=RUN_NAME_PATTERN)
+    """Run name; a unique id is generated when unset."""
+    output_dir: str = "runs"
+    """Folder (or fsspec URL) for checkpoints, weights, metrics.jsonl and TensorBoard events."""
+    model: ModelSpec
+    """The policy."""
+    dataset: DatasetSpec
+    """The prompts."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Generation scheduling."""
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    """Scoring."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """Advantages and loss."""
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    """Optimiser."""
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    """Learner schedule."""
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    """Weight publishing."""
+    mode: Literal["online", "offline_preference"] = "online"
+    """online: RL on scored groups from the rollout and reward services; offline_preference: DPO/IPO on a
+    fixed dataset of (prompt, chosen, rejected) pairs, no rollout or reward service needed."""
+    preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
+    """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    """Run-health warning thresholds and automatic stops."""
+
+    @model_validator(mode="after")
+    def _groups_need_samples(self) -> RunSpec:
+        n = self.rollout.sampling.n
+        if self.algorithm.advantage in GROUP_ESTIMATORS and n < 2:
+            raise ValueError(
+                f"rollout.sampling.n must be >= 2 for the group estimator {self.algorithm.advantage!r}"
+                f" (got {n})"
+            )
+        return self
+
+    def local_paths(self) -> dict[str, tuple[PathKind, str]]:
+        """Every file or folder the spec names, by dotted field: the dataset ("data") and the models
+        ("model"). A service that reads any of them from a spec it did not write confines them to its
+        roots (`rlfabric.runtime.paths`)."""
+        found: dict[str, tuple[PathKind, str]] = {"dataset.path": ("data", self.dataset.path)}
+        models = {"path": self.model.path, "reference_path": self.model.reference_path}
+        models["critic_path"] = self.model.critic_path
+        found.update({f"model.{name}": ("model", p) for name, p in models.items() if p is not None})
+        return found
