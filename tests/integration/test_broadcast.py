@@ -17,15 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from rlfabric.contracts import wire
 from rlfabric.weights.broadcast import (
     BroadcastError,
     BroadcastTimeout,
     TensorMeta,
     metas_from_json,
-    metas_from_proto,
     metas_from_state_dict,
     metas_to_json,
-    metas_to_proto,
     mismatches,
     plan_buckets,
     receive_state_dict,
@@ -123,7 +122,7 @@ def test_plan_buckets_groups_dtypes_and_bounds_size() -> None:
 
 def test_metas_round_trip_through_proto_and_json() -> None:
     metas = metas_from_state_dict(mixed_state_dict())
-    assert metas_from_proto(metas_to_proto(metas)) == metas
+    assert wire.metas_from_proto(wire.metas_to_proto(metas)) == metas
     assert metas_from_json(metas_to_json(metas)) == metas
     assert metas_from_json(json.dumps(metas_to_json(metas))) == metas
 

@@ -10,9 +10,11 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN
 
+from rlfabric.contracts import wire
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.logs import setup_logging
 from rlfabric.v1 import common_pb2
@@ -36,6 +38,16 @@ def log_stream() -> Iterator[io.StringIO]:
     root.setLevel(level)
 
 
+def stored_context() -> common_pb2.TraceContext:
+    """The current context as a payload stores it (the coordinator's side)."""
+    return wire.trace_to_proto(telemetry.trace_carrier())
+
+
+def read_context(message: common_pb2.TraceContext) -> otel_context.Context | None:
+    """A stored context as a parent (the learner's side)."""
+    return telemetry.context_from_carrier(wire.trace_from_proto(message))
+
+
 def test_context_round_trips_through_grpc_metadata(exporter: InMemorySpanExporter) -> None:
     with telemetry.span("client") as client:
         metadata = telemetry.inject_metadata([("x-request-id", "7")])
@@ -53,11 +65,11 @@ def test_context_round_trips_through_grpc_metadata(exporter: InMemorySpanExporte
 
 def test_context_round_trips_through_the_trace_context_proto(exporter: InMemorySpanExporter) -> None:
     with telemetry.span("produce") as producer:
-        stored = common_pb2.TraceContext.FromString(telemetry.to_trace_context().SerializeToString())
+        stored = common_pb2.TraceContext.FromString(stored_context().SerializeToString())
     trace_id = format(producer.get_span_context().trace_id, "032x")
     assert stored.traceparent.split("-")[1] == trace_id
 
-    with telemetry.span("consume", parent=telemetry.from_trace_context(stored)) as consumer:
+    with telemetry.span("consume", parent=read_context(stored)) as consumer:
         pass
     assert consumer.get_span_context().trace_id == producer.get_span_context().trace_id
 
@@ -83,11 +95,11 @@ def test_everything_is_a_no_op_when_tracing_is_off(monkeypatch: pytest.MonkeyPat
         assert span is INVALID_SPAN
         assert telemetry.inject_metadata([("k", "v")]) == [("k", "v")]
         assert telemetry.inject_headers({}) == {}
-        assert telemetry.to_trace_context() == common_pb2.TraceContext()
+        assert stored_context() == common_pb2.TraceContext()
     assert (
         telemetry.extract_from_metadata([("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")]) is None
     )
-    assert telemetry.from_trace_context(common_pb2.TraceContext(traceparent="00-x")) is None
+    assert read_context(common_pb2.TraceContext(traceparent="00-x")) is None
 
 
 def test_exporter_and_service_name_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,10 +174,8 @@ def test_a_step_span_links_the_groups_it_consumed(exporter: InMemorySpanExporter
     stored = []
     for name in ("group-a", "group-b"):
         with telemetry.span(name):
-            stored.append(
-                common_pb2.TraceContext.FromString(telemetry.to_trace_context().SerializeToString())
-            )
-    contexts = [telemetry.from_trace_context(t) for t in stored]
+            stored.append(common_pb2.TraceContext.FromString(stored_context().SerializeToString()))
+    contexts = [read_context(t) for t in stored]
     with telemetry.span("learner.step", links=[c for c in contexts if c is not None]):
         pass
     finished = {s.name: s for s in exporter.get_finished_spans()}

@@ -191,7 +191,7 @@ async def score_local(args: argparse.Namespace, spec: Any, rows: list[dict[str, 
 
 def local_result(item_id: str, r: Any, scored: Any) -> Any:
     """The `ItemResult` of one item's `ScoreResult` `r` from the `ScoredBatch` `scored`."""
-    from rlfabric.reward.client import ItemResult
+    from rlfabric.reward.spec import ItemResult
 
     return ItemResult(
         item_id,

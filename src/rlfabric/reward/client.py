@@ -15,45 +15,26 @@ requires one answers UNAUTHENTICATED without it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import json_format, struct_pb2
 
-from rlfabric.reward.scorers import ScoreInput
-from rlfabric.reward.service import ScorerSpec, spec_from_reward_spec
+from rlfabric.contracts import wire
+from rlfabric.reward.spec import ItemResult, ScoreInput, ScorerSpec, spec_from_reward_spec
 from rlfabric.runspec import RewardSpec
 from rlfabric.runtime.grpc_client import make_channel
-from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
-STATUS_NAMES = {
-    common_pb2.REWARD_STATUS_OK: "ok",
-    common_pb2.REWARD_STATUS_SCORER_ERROR: "scorer_error",
-    common_pb2.REWARD_STATUS_TIMEOUT: "timeout",
-}
+__all__ = ["AsyncRewardClient", "ItemResult", "RewardClient", "to_input", "to_spec"]
+
 ITEM_COLUMNS = ("id", "prompt", "completion", "reference")
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """One scored item. `reward` is NaN unless `status` is "ok"."""
-
-    id: str
-    reward: float
-    status: str
-    message: str
-    components: dict[str, float]
-    scorer_name: str
-    scorer_version: str
-    latency_s: float
 
 
 def to_spec(
     scorer: str | ScorerSpec | Mapping[str, Any], params: Mapping[str, Any] | None = None
 ) -> ScorerSpec:
+    """A registered name (+ params), a spec, or a mapping in the run file's `[reward]` form as a spec."""
     if isinstance(scorer, ScorerSpec):
         return scorer
     if isinstance(scorer, str):
@@ -62,6 +43,7 @@ def to_spec(
 
 
 def to_input(item: ScoreInput | Mapping[str, Any], index: int) -> ScoreInput:
+    """An item, or a mapping of the JSONL columns (anything but `ITEM_COLUMNS` is metadata)."""
     if isinstance(item, ScoreInput):
         return item
     metadata = {k: v for k, v in item.items() if k not in ITEM_COLUMNS}
@@ -74,69 +56,11 @@ def to_input(item: ScoreInput | Mapping[str, Any], index: int) -> ScoreInput:
     )
 
 
-def struct(data: Mapping[str, Any]) -> struct_pb2.Struct:
-    message = struct_pb2.Struct()
-    message.update(dict(data))
-    return message
-
-
-def spec_to_proto(spec: ScorerSpec) -> reward_pb2.ScorerSpec:
-    if spec.name != "composite":
-        return reward_pb2.ScorerSpec(named=reward_pb2.NamedScorer(name=spec.name, params=struct(spec.params)))
-    parts = [
-        reward_pb2.WeightedScorer(
-            scorer=reward_pb2.NamedScorer(name=p["scorer"], params=struct(p.get("params", {}))),
-            weight=p.get("weight", 1.0),
-            alias=p.get("alias", ""),
-        )
-        for p in spec.params.get("parts", [])
-    ]
-    return reward_pb2.ScorerSpec(composite=reward_pb2.CompositeScorer(parts=parts))
-
-
-def prompt_to_proto(prompt: str | list[dict[str, Any]]) -> common_pb2.Prompt:
-    if isinstance(prompt, str):
-        return common_pb2.Prompt(text=prompt)
-    messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
-    return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=messages))
-
-
 def build_request(
     items: Sequence[ScoreInput | Mapping[str, Any]], spec: ScorerSpec, item_timeout_s: float | None
 ) -> reward_pb2.ScoreRequest:
-    inputs = [to_input(item, i) for i, item in enumerate(items)]
-    return reward_pb2.ScoreRequest(
-        items=[
-            reward_pb2.ScoreItem(
-                id=x.id,
-                prompt=prompt_to_proto(x.prompt),
-                completion=x.completion,
-                reference=x.reference,
-                metadata=struct(x.metadata) if x.metadata else None,
-            )
-            for x in inputs
-        ],
-        scorer=spec_to_proto(spec),
-        item_timeout_seconds=item_timeout_s or 0.0,
-    )
-
-
-def from_proto(result: reward_pb2.ItemScore) -> ItemResult:
-    status = STATUS_NAMES.get(result.reward.status, "scorer_error")
-    return ItemResult(
-        id=result.id,
-        reward=result.reward.value if status == "ok" else math.nan,
-        status=status,
-        message=result.reward.message,
-        components=dict(result.reward.components),
-        scorer_name=result.scorer_name,
-        scorer_version=result.scorer_version,
-        latency_s=result.latency_seconds,
-    )
-
-
-def describe(response: reward_pb2.ListScorersResponse) -> list[dict[str, Any]]:
-    return [json_format.MessageToDict(s, preserving_proto_field_name=True) for s in response.scorers]
+    """The Score request for `items` (each an item or a mapping of columns)."""
+    return wire.score_request([to_input(item, i) for i, item in enumerate(items)], spec, item_timeout_s)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -174,11 +98,13 @@ class RewardClient:
     ) -> list[ItemResult]:
         request = build_request(items, to_spec(scorer, params), item_timeout_s)
         response = self.stub.Score(request, timeout=self.timeout_s, metadata=self.metadata)
-        return [from_proto(r) for r in response.results]
+        return [wire.item_result_from_proto(r) for r in response.results]
 
     def list_scorers(self) -> list[dict[str, Any]]:
         request = reward_pb2.ListScorersRequest()
-        return describe(self.stub.ListScorers(request, timeout=self.timeout_s, metadata=self.metadata))
+        return wire.scorer_descriptions_from_proto(
+            self.stub.ListScorers(request, timeout=self.timeout_s, metadata=self.metadata)
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -213,10 +139,12 @@ class AsyncRewardClient:
     ) -> list[ItemResult]:
         request = build_request(items, to_spec(scorer, params), item_timeout_s)
         response = await self.stub.Score(request)
-        return [from_proto(r) for r in response.results]
+        return [wire.item_result_from_proto(r) for r in response.results]
 
     async def list_scorers(self) -> list[dict[str, Any]]:
-        return describe(await self.stub.ListScorers(reward_pb2.ListScorersRequest()))
+        return wire.scorer_descriptions_from_proto(
+            await self.stub.ListScorers(reward_pb2.ListScorersRequest())
+        )
 
     async def close(self) -> None:
         await self.channel.close(None)

@@ -1,4 +1,4 @@
-"""The RewardService gRPC adapter: proto -> domain, call `RewardEngine`, domain -> proto.
+"""The RewardService gRPC adapter: proto -> domain, call `RewardEngine`, domain -> proto (`contracts.wire`).
 
 Request validation lives here (it is about the wire format): an empty batch, an item without a
 completion, an unknown scorer or bad parameters answer INVALID_ARGUMENT; a batch or item over the size
@@ -13,24 +13,18 @@ oversized item, and results are written into the response in place.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
 
 import grpc
-from google.protobuf import json_format
 
+from rlfabric.contracts import wire
 from rlfabric.reward.pool import KILL_SLACK_S
-from rlfabric.reward.scorers import InvalidScorerSpec, ScoreInput, describe_scorers
-from rlfabric.reward.service import RewardEngine, ScoredBatch, ScorerSpec
+from rlfabric.reward.scorers import InvalidScorerSpec, describe_scorers
+from rlfabric.reward.service import RewardEngine
+from rlfabric.reward.spec import ScorerSpec
 from rlfabric.runtime.errors import InvalidArgument, ResourceExhausted
 from rlfabric.runtime.grpc_server import check_bearer
-from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
-STATUS = {
-    "ok": common_pb2.REWARD_STATUS_OK,
-    "scorer_error": common_pb2.REWARD_STATUS_SCORER_ERROR,
-    "timeout": common_pb2.REWARD_STATUS_TIMEOUT,
-}
 # Used when the client sets no deadline: a batch may not hold the server forever.
 DEFAULT_BATCH_TIMEOUT_S = 300.0
 # Kept back from the caller's deadline: a stuck worker is killed up to KILL_SLACK_S after the batch's
@@ -61,7 +55,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         check_bearer(context, self.token)
         self.check_sizes(request)
         spec = self.specs.get(request.scorer)
-        items = [item_from_proto(i, item) for i, item in enumerate(request.items)]
+        items = [wire.item_from_proto(i, item) for i, item in enumerate(request.items)]
         remaining = context.time_remaining()
         timeout = DEFAULT_BATCH_TIMEOUT_S if remaining is None else batch_timeout(remaining)
         try:
@@ -70,13 +64,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             )
         except InvalidScorerSpec as exc:
             raise InvalidArgument(f"scorer.{exc}") from exc
-        return response_from(items, scored)
+        return wire.score_response(items, scored)
 
     async def ListScorers(
         self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ListScorersResponse:
         check_bearer(context, self.token)
-        return reward_pb2.ListScorersResponse(scorers=[describe(info) for info in describe_scorers()])
+        scorers = [wire.scorer_description_to_proto(info) for info in describe_scorers()]
+        return reward_pb2.ListScorersResponse(scorers=scorers)
 
     def check_sizes(self, request: reward_pb2.ScoreRequest) -> None:
         if not request.items:
@@ -102,7 +97,8 @@ def batch_timeout(remaining_s: float) -> float:
 
 
 class SpecCache:
-    """`spec_from_proto` remembered by the spec's serialized bytes (least recently used dropped first).
+    """`wire.scorer_spec_from_proto` remembered by the spec's serialized bytes (least recently used dropped
+    first).
 
     Returning the same `ScorerSpec` object for the same spec also keeps its cache key computed once.
     A spec that fails to convert is not remembered: it raises every time.
@@ -114,101 +110,8 @@ class SpecCache:
 
     def get(self, message: reward_pb2.ScorerSpec) -> ScorerSpec:
         key = message.SerializeToString(deterministic=True)
-        spec = self._specs.pop(key, None) or spec_from_proto(message)
+        spec = self._specs.pop(key, None) or wire.scorer_spec_from_proto(message)
         self._specs[key] = spec
         if len(self._specs) > self.size:
             self._specs.popitem(last=False)
         return spec
-
-
-def spec_from_proto(spec: reward_pb2.ScorerSpec) -> ScorerSpec:
-    kind = spec.WhichOneof("kind")
-    if kind == "named":
-        if not spec.named.name:
-            raise InvalidArgument("scorer.named.name: a scorer name is required")
-        return ScorerSpec(spec.named.name, json_format.MessageToDict(spec.named.params))
-    if kind == "composite":
-        parts = [part_from_proto(i, p) for i, p in enumerate(spec.composite.parts)]
-        return ScorerSpec("composite", {"parts": parts})
-    raise InvalidArgument("scorer: set either `named` or `composite`")
-
-
-def part_from_proto(index: int, part: reward_pb2.WeightedScorer) -> dict[str, Any]:
-    if not part.scorer.name:
-        raise InvalidArgument(f"scorer.composite.parts[{index}].scorer.name: a scorer name is required")
-    return {
-        "alias": part.alias or part.scorer.name,
-        "scorer": part.scorer.name,
-        "weight": part.weight,
-        "params": json_format.MessageToDict(part.scorer.params),
-    }
-
-
-def item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreInput:
-    if not item.HasField("completion"):
-        raise InvalidArgument(f"items[{index}].completion: required (an empty string is allowed)")
-    return ScoreInput(
-        item.id or str(index),
-        prompt_from_proto(item.prompt),
-        item.completion,
-        item.reference,
-        metadata_from_proto(item),
-    )
-
-
-def metadata_from_proto(item: reward_pb2.ScoreItem) -> dict[str, Any]:
-    """The item's metadata columns; {} when unset or empty (without a conversion)."""
-    if not item.HasField("metadata") or not item.metadata.fields:
-        return {}
-    return json_format.MessageToDict(item.metadata)
-
-
-def prompt_from_proto(prompt: common_pb2.Prompt) -> str | list[dict[str, Any]]:
-    kind = prompt.WhichOneof("kind")
-    if kind == "messages":
-        return [{"role": m.role, "content": m.content} for m in prompt.messages.messages]
-    if kind == "token_ids":
-        raise InvalidArgument("prompt.token_ids: the reward service scores text; send text or messages")
-    return prompt.text
-
-
-def response_from(items: Sequence[ScoreInput], scored: ScoredBatch) -> reward_pb2.ScoreResponse:
-    """The response for `items` and their results, written field by field into messages the response
-    owns (cheaper than building messages and copying them in)."""
-    response = reward_pb2.ScoreResponse()
-    add = response.results.add
-    name, version, latency = scored.scorer_name, scored.scorer_version, scored.latency_s
-    for item, result in zip(items, scored.results, strict=True):
-        out = add()
-        out.id = item.id
-        reward = out.reward
-        reward.value = result.reward  # NaN unless OK: a failure must never read as a reward of 0
-        reward.status = STATUS[result.status]
-        if result.message:
-            reward.message = result.message
-        if result.components:
-            components = reward.components
-            for key, value in result.components.items():
-                components[key] = value
-        out.scorer_name = name
-        out.scorer_version = version
-        out.latency_seconds = latency
-    return response
-
-
-def describe(info: Any) -> reward_pb2.ScorerDescription:
-    return reward_pb2.ScorerDescription(
-        name=info.name,
-        version=info.version,
-        description=info.description,
-        params=[
-            reward_pb2.ScorerParam(
-                name=p.name,
-                type=p.type,
-                default_json=p.default or "",
-                description=p.description,
-                required=p.required,
-            )
-            for p in info.params
-        ],
-    )

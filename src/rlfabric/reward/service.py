@@ -8,13 +8,10 @@ runs in the `ScorerPool` of worker processes so a slow or hung item never stalls
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -30,7 +27,8 @@ from rlfabric.reward.scorers import (
     safe_score_batch,
 )
 from rlfabric.reward.scorers.policy import ScorerPolicy
-from rlfabric.runspec import RewardSpec
+from rlfabric.reward.spec import ScoredBatch as ScoredBatch
+from rlfabric.reward.spec import ScorerSpec as ScorerSpec
 
 # Linear-time string arithmetic: scored on the event loop itself, where a thread hop would cost more than
 # the scoring (user patterns, which can backtrack for ever, are not among them).
@@ -46,41 +44,6 @@ _BATCH_SECONDS = Histogram(
     ["scorer"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
-
-
-@dataclass(frozen=True)
-class ScorerSpec:
-    """Which scorer to run, with its parameters (a composite is name "composite" with its parts)."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @cached_property
-    def key(self) -> str:
-        """The canonical JSON of the spec (the scorer cache's key); computed once per spec object."""
-        return json.dumps({"name": self.name, "params": self.params}, sort_keys=True)
-
-
-@dataclass(frozen=True)
-class ScoredBatch:
-    """The results of one batch, `results[i]` for item i, with their provenance (the same for every item
-    of the batch). `latency_s` is the wall time of the whole batch."""
-
-    results: list[ScoreResult]
-    scorer_name: str
-    scorer_version: str
-    latency_s: float
-
-
-def spec_from_reward_spec(reward: RewardSpec) -> ScorerSpec:
-    """The scorer spec of a run file's `[reward]` section (the one schema for specs in files)."""
-    if reward.scorer != "composite":
-        return ScorerSpec(reward.scorer, dict(reward.params))
-    parts = [
-        {"alias": p.alias or p.scorer, "scorer": p.scorer, "weight": p.weight, "params": dict(p.params)}
-        for p in reward.parts
-    ]
-    return ScorerSpec("composite", {"parts": parts})
 
 
 def scorer_version(spec: ScorerSpec) -> str:

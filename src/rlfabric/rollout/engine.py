@@ -25,60 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlfabric.rollout.types import EngineSample as EngineSample
+from rlfabric.rollout.types import FinishReason as FinishReason
+from rlfabric.rollout.types import SamplingSettings as SamplingSettings
+
 if TYPE_CHECKING:
     import torch
 
-FinishReason = Literal["stop", "length", "abort"]
+    from rlfabric.weights.broadcast import BroadcastPlan
+
 LogprobsMode = Literal["processed", "raw"]
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 """safetensors dtype codes a weights folder may use (the engine casts them to its own dtype)."""
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How to sample each prompt. `top_k <= 0` and `top_p == 1.0` switch those filters off;
-    `temperature == 0` is greedy. With `seed` set, sample k of a request (k = prompt_index * n +
-    sample_index) uses seed + k, so results are reproducible on one engine."""
-
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    """Keep generating past end-of-sequence tokens (fixed-length samples for benchmarks and tests)."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1 or self.max_tokens < 1:
-            raise ValueError(f"n ({self.n}) and max_tokens ({self.max_tokens}) must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature {self.temperature} must be >= 0, top_p {self.top_p} in (0, 1]")
-
-    def sample_seed(self, prompt_index: int, sample_index: int) -> int | None:
-        """The seed of one sample, or None when the request is unseeded."""
-        if self.seed is None:
-            return None
-        return self.seed + prompt_index * self.n + sample_index
-
-
-@dataclass(frozen=True)
-class EngineSample:
-    """One finished (or aborted) completion. `token_ids` and `logprobs` align one to one; `token_ids`
-    includes a final end-of-sequence token when the sample stopped on one. Times are seconds since the
-    request was submitted to the engine."""
-
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: FinishReason
-    first_token_s: float
-    total_s: float
 
 
 @dataclass(frozen=True)
@@ -136,9 +95,9 @@ class Engine(abc.ABC):
         naming, then reset the prefix cache. Raises `WeightsRejected` (old weights keep serving)."""
 
     @abc.abstractmethod
-    async def receive_broadcast(self, source: Any) -> None:
-        """Join the learner's torch.distributed broadcast described by `source` (an
-        `rlfabric.v1.rollout_pb2.BroadcastSource`), receive every tensor, then load them in place and
+    async def receive_broadcast(self, plan: BroadcastPlan) -> None:
+        """Join the learner's torch.distributed broadcast described by `plan` (converted from the request's
+        `BroadcastSource` by `contracts.wire`), receive every tensor, then load them in place and
         reset the prefix cache. Names and shapes are checked before anything is received; a transfer that
         fails or times out raises before the model is touched."""
 

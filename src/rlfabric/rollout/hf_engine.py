@@ -37,6 +37,8 @@ from rlfabric.rollout.engine import (
 if TYPE_CHECKING:
     import torch
 
+    from rlfabric.weights.broadcast import BroadcastPlan
+
 
 @dataclass
 class _Request:
@@ -241,22 +243,21 @@ class HfEngine(Engine):
         tensors = await asyncio.to_thread(read_weights_dir, path)
         await asyncio.to_thread(self._copy_weights, tensors)
 
-    async def receive_broadcast(self, source: Any) -> None:
+    async def receive_broadcast(self, plan: BroadcastPlan) -> None:
         """Receive the whole state dict (refusing a mismatched one up front), then copy it in."""
         from rlfabric.weights import broadcast
 
-        metas = broadcast.metas_from_proto(source.tensors)
-        problems = broadcast.mismatches(metas, self._expected_weights)
+        problems = broadcast.mismatches(plan.metas, self._expected_weights)
         try:
             received, _ = await asyncio.to_thread(
                 broadcast.receive_state_dict,
-                metas,
-                host=source.master_address,
-                port=source.master_port,
-                rank=source.rank,
-                world_size=source.world_size,
-                backend=source.backend or "gloo",
-                bucket_bytes=source.bucket_bytes or (256 << 20),
+                plan.metas,
+                host=plan.host,
+                port=plan.port,
+                rank=plan.rank,
+                world_size=plan.world_size,
+                backend=plan.backend,
+                bucket_bytes=plan.bucket_bytes,
                 refusal="; ".join(problems[:5]) or None,
             )
         except broadcast.BroadcastError as exc:

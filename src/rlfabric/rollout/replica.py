@@ -254,17 +254,9 @@ class Replica:
 
 
 def check_sampling(s: SamplingSettings, limits: Limits) -> None:
-    problems = [
-        (s.n < 1 or s.n > limits.max_n, f"sampling.n: must be in [1, {limits.max_n}], got {s.n}"),
-        (
-            s.max_tokens < 1 or s.max_tokens > limits.max_tokens,
-            f"sampling.max_tokens: must be in [1, {limits.max_tokens}], got {s.max_tokens}",
-        ),
-        (not s.temperature >= 0, f"sampling.temperature: must be >= 0, got {s.temperature}"),
-        (not 0 < s.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {s.top_p}"),
-        (s.top_k < -1, f"sampling.top_k: must be -1 (off) or >= 0, got {s.top_k}"),
-        (any(not stop for stop in s.stop), "sampling.stop: stop strings must not be empty"),
-    ]
-    for bad, message in problems:
-        if bad:
-            raise InvalidArgument(message)
+    """Raises InvalidArgument naming the field for sampling beyond this replica's limits (the values
+    themselves were checked when `s` was built, `rlfabric.rollout.types.sampling_problem`)."""
+    if s.n > limits.max_n:
+        raise InvalidArgument(f"sampling.n: must be in [1, {limits.max_n}], got {s.n}")
+    if s.max_tokens > limits.max_tokens:
+        raise InvalidArgument(f"sampling.max_tokens: must be in [1, {limits.max_tokens}], got {s.max_tokens}")

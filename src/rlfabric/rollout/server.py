@@ -1,6 +1,6 @@
-"""The RolloutService gRPC adapter: proto -> `Replica` / `Engine` calls -> proto.
+"""The RolloutService gRPC adapter: proto -> `Replica` / `Engine` calls -> proto (`contracts.wire`).
 
-Authentication of weight updates and the conversion of wire types live here; the rules about versions,
+Authentication of weight updates and the prompt checks live here; the rules about versions,
 admission and draining live in `replica.py`, and where weights come from in `weights_source.py`.
 """
 
@@ -10,18 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from rlfabric.rollout.engine import EngineSample, SamplingSettings
+from rlfabric.contracts import wire
+from rlfabric.rollout.engine import EngineSample
 from rlfabric.rollout.replica import Replica
 from rlfabric.rollout.weights_source import WeightsSource
 from rlfabric.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.runtime.grpc_server import check_bearer
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
-FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -54,7 +49,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if not self.replica.serving:
             raise Unavailable("this replica holds no published weights yet")
         prompts = [self.tokenize(i, p.prompt) for i, p in enumerate(request.prompts)]
-        sampling = sampling_from_proto(request.sampling)
+        sampling = wire.sampling_from_proto(request.sampling)
         stream = self.replica.generate(request.request_id, prompts, sampling, request.min_policy_version)
         try:
             async for sample, version in stream:
@@ -118,7 +113,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if kind == "text":
             return self.replica.engine.tokenize_text(prompt.text)
         if kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in prompt.messages.messages]
+            messages = wire.messages_from_proto(prompt.messages)
             if not messages:
                 raise InvalidArgument(f"prompts[{index}].prompt.messages: empty conversation")
             return self.replica.engine.tokenize_chat(messages)
@@ -138,41 +133,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def sample_to_proto(
         self, request: rollout_pb2.GenerateRequest, sample: EngineSample, version: int
     ) -> rollout_pb2.GeneratedSample:
-        return rollout_pb2.GeneratedSample(
+        return wire.sample_to_proto(
+            sample,
             request_id=request.request_id,
             prompt_id=request.prompts[sample.prompt_index].prompt_id,
-            prompt_index=sample.prompt_index,
-            sample_index=sample.sample_index,
-            prompt_token_ids=sample.prompt_token_ids,
-            token_ids=sample.token_ids,
-            logprobs=sample.logprobs,
-            text=sample.text,
-            finish_reason=FINISH[sample.finish_reason],
-            policy_version=version,
+            version=version,
             replica_id=self.replica_id,
-            timings=rollout_pb2.SampleTimings(
-                first_token_seconds=sample.first_token_s, total_seconds=sample.total_s
-            ),
         )
-
-
-def sampling_from_proto(s: rollout_pb2.SamplingParams) -> SamplingSettings:
-    """Wire defaults: n 0 -> 1, top_p 0 -> 1, top_k 0 -> -1 (off); max_tokens must be set."""
-    if s.max_tokens == 0:
-        raise InvalidArgument("sampling.max_tokens: required (>= 1)")
-    if not s.temperature >= 0:
-        raise InvalidArgument(f"sampling.temperature: must be >= 0, got {s.temperature}")
-    if s.top_k < -1:
-        raise InvalidArgument(f"sampling.top_k: must be -1 or 0 (off) or positive, got {s.top_k}")
-    if not 0 <= s.top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p: must be in (0, 1], got {s.top_p}")
-    return SamplingSettings(
-        n=s.n or 1,
-        temperature=s.temperature,
-        top_p=s.top_p or 1.0,
-        top_k=s.top_k if s.top_k > 0 else -1,
-        max_tokens=s.max_tokens,
-        stop=tuple(s.stop),
-        seed=s.seed if s.HasField("seed") else None,
-        ignore_eos=s.ignore_eos,
-    )

@@ -30,7 +30,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, MutableMapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -53,6 +53,9 @@ from rlfabric.rollout.engine import (
     model_vocab_size,
     resolve_model_dir,
 )
+
+if TYPE_CHECKING:
+    from rlfabric.weights.broadcast import BroadcastPlan
 
 WORKER_EXTENSION = "rlfabric.rollout.worker_ext.RlfabricWorkerExtension"
 BLOCKING_EXECUTOR = "rlfabric.rollout.vllm_executor.BlockingWaitExecutor"
@@ -300,21 +303,20 @@ class VllmEngine(Engine):
         await self.llm.collective_rpc("rlfabric_load_weights_dir", args=(path,))
         await self.reset_prefix_cache()
 
-    async def receive_broadcast(self, source: Any) -> None:
+    async def receive_broadcast(self, plan: BroadcastPlan) -> None:
         """The worker joins the group and loads what it receives (see `RlfabricWorkerExtension`)."""
         from rlfabric.weights import broadcast
 
-        metas = broadcast.metas_to_json(broadcast.metas_from_proto(source.tensors))
         kwargs = {
-            "metas_json": metas,
-            "host": source.master_address,
-            "port": source.master_port,
-            "rank": source.rank,
-            "world_size": source.world_size,
-            "backend": source.backend or "gloo",
-            "bucket_bytes": source.bucket_bytes or (256 << 20),
+            "metas_json": broadcast.metas_to_json(plan.metas),
+            "host": plan.host,
+            "port": plan.port,
+            "rank": plan.rank,
+            "world_size": plan.world_size,
+            "backend": plan.backend,
+            "bucket_bytes": plan.bucket_bytes,
         }
-        problems = broadcast.mismatches(broadcast.metas_from_proto(source.tensors), self._expected_weights)
+        problems = broadcast.mismatches(plan.metas, self._expected_weights)
         try:
             await self.llm.collective_rpc("rlfabric_receive_broadcast", kwargs=kwargs)
         except Exception as exc:  # the worker refused (the sender was told why) or the transfer failed

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlfabric.contracts import wire
 from rlfabric.rollout.engine import Engine
 from rlfabric.rollout.replica import Loader
 from rlfabric.runtime.errors import InvalidArgument
@@ -53,8 +54,8 @@ class WeightsSource:
             path = await self.stage(root, request.version)
             return self._dir_loader(path), time.monotonic() - start
         if kind == "broadcast":
-            source = request.broadcast
-            return (lambda: self.engine.receive_broadcast(source)), 0.0
+            plan = wire.broadcast_from_proto(request.broadcast)
+            return (lambda: self.engine.receive_broadcast(plan)), 0.0
         raise InvalidArgument("source: set object_store or broadcast")
 
     async def stage(self, root: str, version: int) -> str:

@@ -9,8 +9,8 @@ its own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`, 
 A trace crosses three kinds of boundary, each with its pair of helpers:
     gRPC calls       inject_metadata / extract_from_metadata   (W3C `traceparent` / `tracestate` keys)
     HTTP requests    inject_headers / extract_from_headers
-    stored payloads  to_trace_context / from_trace_context     (the `rlfabric.v1.TraceContext` message,
-                                                                 e.g. a ScoredGroup in a Redis stream)
+    stored payloads  trace_carrier / context_from_carrier      (as `rlfabric.v1.TraceContext` through
+                                                                 `contracts.wire`, e.g. in a ScoredGroup)
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-from rlfabric.v1 import common_pb2
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -169,25 +167,22 @@ def extract_from_headers(headers: Mapping[str, str]) -> otel_context.Context | N
     return propagate.extract({key.lower(): value for key, value in headers.items()})
 
 
-def to_trace_context() -> common_pb2.TraceContext:
-    """The current span's context as a proto, to store with a payload; empty fields when tracing is off."""
+def trace_carrier() -> dict[str, str]:
+    """The current span's context as W3C fields (`traceparent`, and `tracestate` when set), to store with
+    a payload (`rlfabric.contracts.wire.trace_to_proto`); {} when tracing is off."""
     if _state.provider is None:
-        return common_pb2.TraceContext()
+        return {}
     carrier: dict[str, str] = {}
     _TRACE_CONTEXT.inject(carrier)
-    return common_pb2.TraceContext(
-        traceparent=carrier.get("traceparent", ""), tracestate=carrier.get("tracestate", "")
-    )
+    return {key: value for key, value in carrier.items() if key in ("traceparent", "tracestate")}
 
 
-def from_trace_context(message: common_pb2.TraceContext) -> otel_context.Context | None:
-    """The context stored by `to_trace_context`, to pass as `parent=`; None when off or empty."""
-    if _state.provider is None or not message.traceparent:
+def context_from_carrier(carrier: Mapping[str, str]) -> otel_context.Context | None:
+    """The context stored by `trace_carrier`, to pass as `parent=`; None when off or without a
+    `traceparent`."""
+    if _state.provider is None or not carrier.get("traceparent"):
         return None
-    carrier = {"traceparent": message.traceparent}
-    if message.tracestate:
-        carrier["tracestate"] = message.tracestate
-    return _TRACE_CONTEXT.extract(carrier)
+    return _TRACE_CONTEXT.extract(dict(carrier))
 
 
 def current_ids() -> tuple[str, str] | None:

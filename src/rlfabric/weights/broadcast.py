@@ -39,8 +39,6 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
-    from rlfabric.v1 import rollout_pb2
-
 Backend = Literal["gloo", "nccl"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -98,6 +96,20 @@ class TensorMeta:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TensorMeta:
         return cls(str(data["name"]), str(data["dtype"]), tuple(int(d) for d in data["shape"]))
+
+
+@dataclass(frozen=True)
+class BroadcastPlan:
+    """How a receiver joins one broadcast of new weights: the sender's rendezvous (`host`:`port`), this
+    receiver's `rank` of `world_size` (the sender is rank 0), and every tensor it will receive, in order."""
+
+    metas: list[TensorMeta]
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    backend: Backend = "gloo"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -176,18 +188,6 @@ def plan_digest(metas: Sequence[TensorMeta], bucket_bytes: int) -> str:
     """sha256 of the metas and bucket size: equal digests mean sender and receiver agree on the plan."""
     payload = json.dumps([bucket_bytes, SOLO_BYTES, [m.to_dict() for m in metas]], separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def metas_to_proto(metas: Iterable[TensorMeta]) -> list[rollout_pb2.TensorSpec]:
-    """Metas as `TensorSpec` messages, for `BroadcastSource.tensors`."""
-    from rlfabric.v1 import rollout_pb2
-
-    return [rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape)) for m in metas]
-
-
-def metas_from_proto(specs: Iterable[rollout_pb2.TensorSpec]) -> list[TensorMeta]:
-    """The inverse of `metas_to_proto`."""
-    return [TensorMeta(s.name, s.dtype, tuple(int(d) for d in s.shape)) for s in specs]
 
 
 def metas_to_json(metas: Iterable[TensorMeta]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlfabric.contracts import wire
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.rollout.vllm_engine import cpu_compile_cache_defaults
 from rlfabric.rollout.vllm_executor import BLOCKING_MESSAGE
@@ -196,7 +197,7 @@ def test_broadcast_update(
         rank=1,
         world_size=2,
         backend="gloo",
-        tensors=broadcast.metas_to_proto(metas),
+        tensors=wire.metas_to_proto(metas),
         bucket_bytes=1 << 20,
     )
     sent: dict[str, object] = {}

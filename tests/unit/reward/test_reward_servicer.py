@@ -5,9 +5,11 @@ import math
 import pytest
 from google.protobuf import struct_pb2
 
+from rlfabric.contracts.wire import item_from_proto, score_response
 from rlfabric.reward.scorers import ScoreInput, ScoreResult
-from rlfabric.reward.server import RewardServicer, SpecCache, item_from_proto, response_from
-from rlfabric.reward.service import ScoredBatch, item_to_json
+from rlfabric.reward.server import RewardServicer, SpecCache
+from rlfabric.reward.service import item_to_json
+from rlfabric.reward.spec import ScoredBatch
 from rlfabric.runtime.errors import InvalidArgument, ResourceExhausted
 from rlfabric.v1 import common_pb2, reward_pb2
 
@@ -43,7 +45,7 @@ def test_response_keeps_order_provenance_and_nan_for_failures():
         ScoreResult.error("bad reference"),
         ScoreResult.timed_out("slow"),
     ]
-    response = response_from(items, ScoredBatch(results, "exact_match", "exact_match@1", 0.25))
+    response = score_response(items, ScoredBatch(results, "exact_match", "exact_match@1", 0.25))
     assert [r.id for r in response.results] == ["0", "1", "2"]
     ok, failed, slow = (r.reward for r in response.results)
     assert (ok.value, ok.status) == (1.0, common_pb2.REWARD_STATUS_OK)

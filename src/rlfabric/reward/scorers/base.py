@@ -14,18 +14,18 @@ per-item errors; batched scorers (a reward model, a judge, a user function) over
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict
 
+from rlfabric.reward.spec import Message as Message
+from rlfabric.reward.spec import ScoreInput as ScoreInput
+from rlfabric.reward.spec import ScoreResult as ScoreResult
+from rlfabric.reward.spec import ScoreStatus as ScoreStatus
+
 if TYPE_CHECKING:
     from rlfabric.reward.scorers.policy import ScorerPolicy
-
-ScoreStatus = Literal["ok", "scorer_error", "timeout"]
-Message = dict[str, Any]
 
 
 class InvalidScorerSpec(ValueError):
@@ -35,57 +35,6 @@ class InvalidScorerSpec(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
-
-
-@dataclass(frozen=True)
-class ScoreInput:
-    """One completion to score.
-
-    `prompt` is the rendered prompt text, or the chat messages (`[{"role": ..., "content": ...}]`) it was
-    rendered from. `reference` is the gold answer (empty when the scorer needs none); `metadata` carries
-    everything else a scorer may need (test cases, `completion_tokens`, dataset columns).
-    """
-
-    id: str
-    prompt: str | list[Message]
-    completion: str
-    reference: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_text(self) -> str:
-        """The prompt as plain text: messages are rendered one per line as `role: content`."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in self.prompt)
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """The score of one item. Invariant: status "ok" ⇔ `reward` is a real number; otherwise it is NaN.
-
-    `components` are named sub-scores (e.g. tests passed/total, each part of a composite) for logging.
-    """
-
-    reward: float
-    components: dict[str, float] = field(default_factory=dict)
-    status: ScoreStatus = "ok"
-    message: str = ""
-
-    @classmethod
-    def ok(cls, reward: float, components: dict[str, float] | None = None, message: str = "") -> ScoreResult:
-        """A successful score; raises ValueError for a NaN or infinite reward (that is a scorer failure)."""
-        if not math.isfinite(reward):
-            raise ValueError(f"a successful score must be a finite number, got {reward!r}")
-        return cls(float(reward), dict(components or {}), "ok", message)
-
-    @classmethod
-    def error(cls, message: str, components: dict[str, float] | None = None) -> ScoreResult:
-        return cls(math.nan, dict(components or {}), "scorer_error", message)
-
-    @classmethod
-    def timed_out(cls, message: str) -> ScoreResult:
-        return cls(math.nan, {}, "timeout", message)
 
 
 class ScorerParams(BaseModel):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -19,31 +18,11 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from rlfabric.reward.scorers.base import InvalidScorerSpec, Scorer, ScorerParams
 from rlfabric.reward.scorers.policy import ScorerPolicy
+from rlfabric.reward.spec import ParamInfo as ParamInfo
+from rlfabric.reward.spec import ScorerInfo as ScorerInfo
 
 SCORERS: dict[str, type[Scorer]] = {}
 S = TypeVar("S", bound=type[Scorer])
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """One scorer parameter. `default` is JSON text (None when `required`); `type` is its JSON-schema type."""
-
-    name: str
-    type: str
-    default: str | None
-    description: str
-    required: bool
-    choices: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True)
-class ScorerInfo:
-    """What `describe_scorers` says about one registered scorer."""
-
-    name: str
-    version: str
-    description: str
-    params: tuple[ParamInfo, ...]
 
 
 def register(cls: S) -> S:
