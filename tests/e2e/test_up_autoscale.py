@@ -27,7 +27,7 @@ import httpx
 import pytest
 import redis
 
-from rlfabric.contracts.streams import groups_key
+from rlfabric.contracts import keys
 from rlfabric.tools import ledger
 from rlfabric.v1 import queue_pb2
 
@@ -113,7 +113,7 @@ def test_up_added_a_replica_that_received_work(scaled_run: Path, books: redis.Re
     assert "autoscale: adding rollout-1 (1 running, 2 wanted)" in output, output[-3000:]
     assert "autoscaling: 1 added, 0 removed, 0 failed to start" in output, output[-3000:]
     replicas = set()
-    for _, fields in books.xrange(groups_key("demo")):
+    for _, fields in books.xrange(keys.groups("demo")):
         group = queue_pb2.ScoredGroup.FromString(fields[b"data"])
         replicas |= {s.replica_id for s in group.samples}
     assert replicas == {"rollout-0", "rollout-1"}

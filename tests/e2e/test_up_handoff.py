@@ -24,7 +24,7 @@ import httpx
 import pytest
 import redis
 
-from rlfabric.contracts.streams import groups_key
+from rlfabric.contracts import keys
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.tools import ledger
 from rlfabric.v1 import queue_pb2
@@ -45,7 +45,7 @@ class Watch:
         self.replicas: dict[str, int] = {}
 
     def sample_stream(self) -> None:
-        for _, fields in self.books.xrevrange(groups_key("demo"), count=16):
+        for _, fields in self.books.xrevrange(keys.groups("demo"), count=16):
             group = queue_pb2.ScoredGroup.FromString(fields[b"data"])
             for sample in group.samples:
                 self.replicas[sample.replica_id] = self.replicas.get(sample.replica_id, 0) + 1

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 from fault_stack import HERE, Stack
 
-from rlfabric.contracts import registry, streams
+from rlfabric.contracts import keys, registry, streams
 from rlfabric.v1 import common_pb2, queue_pb2
 from rlfabric.weights import versions as store
 
@@ -131,7 +131,7 @@ def test_poison_entries_are_dead_lettered_and_training_continues(make_stack: Cal
     stack.start()
     stack.wait_for_step(1)
     assert stack.client is not None
-    key = streams.groups_key(stack.spec.name)
+    key = keys.groups(stack.spec.name)
     stack.client.xadd(key, {b"data": b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff not protobuf"})
     invalid = queue_pb2.ScoredGroup(run_id=stack.spec.name, group_id="poison:nan", policy_version=0)
     for i in range(stack.spec.rollout.sampling.n):
@@ -139,7 +139,7 @@ def test_poison_entries_are_dead_lettered_and_training_continues(make_stack: Cal
         sample.reward.status = common_pb2.REWARD_STATUS_OK
     stack.client.xadd(key, streams.encode_entry(invalid))  # type: ignore[arg-type]
     stack.finish()
-    dead = stack.client.xrange(streams.dead_letter_key(stack.spec.name))
+    dead = stack.client.xrange(keys.dead_letters(stack.spec.name))
     assert sorted(f[b"reason"] for _, f in dead) == [b"decode", b"invalid"]
     stack.books()  # both entries accounted for as dead letters; every real group trained once
 
@@ -164,7 +164,7 @@ def test_replica_joining_mid_run_gets_work_only_once_it_holds_a_published_versio
     assert stack.client is not None
     late = [
         s.policy_version
-        for _, f in stack.client.xrange(streams.groups_key(stack.spec.name))
+        for _, f in stack.client.xrange(keys.groups(stack.spec.name))
         if f.get(b"data")
         for s in queue_pb2.ScoredGroup.FromString(f[b"data"]).samples
         if s.replica_id == "rollout-late"

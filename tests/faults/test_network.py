@@ -17,7 +17,7 @@ import redis
 from fault_stack import Stack
 from tcp_proxy import FaultProxy
 
-from rlfabric.contracts import registry
+from rlfabric.contracts import keys
 
 pytestmark = pytest.mark.faults_full
 
@@ -77,8 +77,8 @@ class ProxiedReplica:
 
     def beat(self) -> None:
         client = redis.Redis.from_url(self.stack.redis_url, decode_responses=True)
-        real = registry.replica_key(self.stack.spec.name, self.replica_id)
-        alias = registry.replica_key(self.stack.spec.name, self.alias)
+        real = keys.replica(self.stack.spec.name, self.replica_id)
+        alias = keys.replica(self.stack.spec.name, self.alias)
         while not self.stop.wait(0.3):
             entry = client.hgetall(real)
             if entry:
@@ -94,7 +94,7 @@ def rollout_proxy(make_stack: Callable[..., Stack]) -> Iterator[tuple[Stack, Fau
     stack = make_stack()
     stack.start()
     client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    upstream = client.hget(registry.replica_key(stack.spec.name, "rollout-0"), "address")
+    upstream = client.hget(keys.replica(stack.spec.name, "rollout-0"), "address")
     client.close()
     assert upstream
     with FaultProxy(str(upstream)) as proxy:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from rlfabric.contracts import keys
 from rlfabric.local.procs import ServiceProcess
 
 SERVICES = Path(__file__).resolve().parents[2] / "src" / "rlfabric"
@@ -126,12 +127,11 @@ def rewrite_manifest(folder: Path, name: str, data: bytes) -> None:
 async def test_a_pickle_in_the_queue_is_dead_lettered_unopened(redis_url: str, tmp_path: Path) -> None:
     import redis.asyncio as aioredis
 
-    from rlfabric.contracts import streams
     from rlfabric.learner.queue import REASON_DECODE, GroupConsumer
 
     client = aioredis.Redis.from_url(redis_url)
     sentinel = tmp_path / "tripped"
-    await client.xadd(streams.groups_key("sec"), {b"data": pickle.dumps(Tripwire(sentinel))})
+    await client.xadd(keys.groups("sec"), {b"data": pickle.dumps(Tripwire(sentinel))})
     consumer = GroupConsumer(client, "sec", "c")
     assert await consumer.read(10, block_ms=100) == []
     assert consumer.counters.dead_lettered == {REASON_DECODE: 1}

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.contracts.streams import GroupProducer, dead_letter_key, groups_key
+from rlfabric.contracts import keys
+from rlfabric.contracts.streams import GroupProducer
 from rlfabric.learner.queue import (
     REASON_DECODE,
     REASON_MAX_DELIVERIES,
@@ -52,7 +53,7 @@ async def entries(redis: Any, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
 
 
 async def pending_ids(redis: Any, run_id: str) -> list[str]:
-    rows = await redis.xpending_range(groups_key(run_id), "learner", "-", "+", 100)
+    rows = await redis.xpending_range(keys.groups(run_id), "learner", "-", "+", 100)
     return [row["message_id"].decode() for row in rows]
 
 
@@ -69,7 +70,7 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 
 async def pending_count(redis: aioredis.Redis, run_id: str) -> int:
-    return int((await redis.xpending(groups_key(run_id), "learner"))["pending"])
+    return int((await redis.xpending(keys.groups(run_id), "learner"))["pending"])
 
 
 async def produce(redis: aioredis.Redis, run_id: str, n: int, *, max_len: int = 1000) -> list[str]:
@@ -128,7 +129,7 @@ async def test_dead_consumers_entries_are_reclaimed(redis: aioredis.Redis, run_i
     assert ids_of(reclaimed) == taken
     assert all(d.deliveries == 2 for d in reclaimed)
     assert alive.counters.reclaimed == 3
-    owners = await redis.xpending_range(groups_key(run_id), "learner", "-", "+", 10)
+    owners = await redis.xpending_range(keys.groups(run_id), "learner", "-", "+", 10)
     assert {row["consumer"] for row in owners} == {b"alive"}
 
 
@@ -168,11 +169,11 @@ async def test_reclaimed_group_already_applied_is_skipped_and_acked(
 
 async def test_poison_entry_goes_to_dead_letter(redis: aioredis.Redis, run_id: str) -> None:
     await produce(redis, run_id, 1)
-    await redis.xadd(groups_key(run_id), {b"data": b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff garbage"})
+    await redis.xadd(keys.groups(run_id), {b"data": b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff garbage"})
     consumer = GroupConsumer(redis, run_id, "c")
     assert ids_of(await consumer.read(10)) == ["g0"]
     assert consumer.counters.dead_lettered == {REASON_DECODE: 1}
-    [(_, record)] = await entries(redis, dead_letter_key(run_id))
+    [(_, record)] = await entries(redis, keys.dead_letters(run_id))
     assert record[b"reason"] == b"decode" and record[b"error"].startswith(b"not a ScoredGroup")
     assert record[b"data"].endswith(b" garbage") and record[b"deliveries"] == b"1"
     assert consumer.last_rejected[0].entry_id == record[b"entry_id"].decode()
@@ -188,7 +189,7 @@ async def test_entry_delivered_too_often_goes_to_dead_letter(redis: aioredis.Red
         await asyncio.sleep(0.1)  # the learner dies mid-step, every time
     assert [len(batch) for batch in seen] == [1, 1, 0]
     assert crashing.counters.dead_lettered == {REASON_MAX_DELIVERIES: 1}
-    [(_, record)] = await entries(redis, dead_letter_key(run_id))
+    [(_, record)] = await entries(redis, keys.dead_letters(run_id))
     assert record[b"reason"] == b"max_deliveries" and record[b"deliveries"] == b"3"
     assert record[b"group_id"] == b"g0" and ScoredGroup.FromString(record[b"data"]).group_id == "g0"
     assert await pending_count(redis, run_id) == 0
@@ -201,12 +202,12 @@ async def test_backpressure_blocks_producer_until_consumer_catches_up(
     appending = asyncio.create_task(produce_with(producer, run_id, 5))
     await asyncio.sleep(0.3)
     assert not appending.done()
-    assert await redis.xlen(groups_key(run_id)) == 3
+    assert await redis.xlen(keys.groups(run_id)) == 3
     consumer = GroupConsumer(redis, run_id, "c")
     batch = await consumer.read(2)
     await consumer.ack([d.entry_id for d in batch])
     await asyncio.wait_for(appending, timeout=5)
-    assert await redis.xlen(groups_key(run_id)) == 5
+    assert await redis.xlen(keys.groups(run_id)) == 5
     assert producer.waits >= 1
     assert await producer.backlog() == 3
 
@@ -214,8 +215,8 @@ async def test_backpressure_blocks_producer_until_consumer_catches_up(
 async def test_backlog_is_counted_when_redis_cannot_report_lag(redis: aioredis.Redis, run_id: str) -> None:
     ids = await produce(redis, run_id, 4)
     await GroupConsumer(redis, run_id, "c").read(1)
-    await redis.xdel(groups_key(run_id), ids[2])  # a tombstone among undelivered entries: lag is nil
-    [info] = await redis.xinfo_groups(groups_key(run_id))
+    await redis.xdel(keys.groups(run_id), ids[2])  # a tombstone among undelivered entries: lag is nil
+    [info] = await redis.xinfo_groups(keys.groups(run_id))
     assert info["lag"] is None
     assert await GroupProducer(redis, run_id, max_len=10).backlog() == 2
     assert await GroupProducer(redis, run_id, max_len=1).backlog() == 1
@@ -234,15 +235,15 @@ async def test_trim_never_removes_unacknowledged_entries(redis: aioredis.Redis, 
     await consumer.ack([ids[0], ids[2]])  # ids[1] still pending, ids[3:] never delivered
 
     assert await producer.trim_acknowledged() == 1
-    assert [i for i, _ in await entries(redis, groups_key(run_id))] == ids[1:]
+    assert [i for i, _ in await entries(redis, keys.groups(run_id))] == ids[1:]
     await consumer.ack([ids[1]])
     assert await producer.trim_acknowledged() == 2
-    assert [i for i, _ in await entries(redis, groups_key(run_id))] == ids[3:]
+    assert [i for i, _ in await entries(redis, keys.groups(run_id))] == ids[3:]
     await consumer.read(3)
     assert await producer.trim_acknowledged() == 0  # delivered but pending: kept
     await consumer.ack(ids[3:])
     assert await producer.trim_acknowledged() == 3
-    assert await redis.xlen(groups_key(run_id)) == 0
+    assert await redis.xlen(keys.groups(run_id)) == 0
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
@@ -279,7 +280,7 @@ async def write_then_crash_consumer(url: str, run_id: str) -> dict[str, list[str
 
 async def check_after_restart(url: str, run_id: str, before: dict[str, list[str]]) -> None:
     client = aioredis.Redis.from_url(url)
-    assert [i for i, _ in await entries(client, groups_key(run_id))] == before["all"]
+    assert [i for i, _ in await entries(client, keys.groups(run_id))] == before["all"]
     assert await pending_ids(client, run_id) == before["pending"]
     consumer = GroupConsumer(client, run_id, "learner-0")
     batch = await consumer.read(10)

@@ -10,15 +10,14 @@ from pathlib import Path
 import fakeredis
 import pytest
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.lineage import (
-    ROLLED_BACK_COUNTER,
     RestoreRecord,
-    lineage_key,
     redispatch_id,
     restart_row,
-    rolled_back_key,
 )
-from rlfabric.contracts.streams import CONSUMER_GROUP, dead_letter_key, groups_key, trim_acknowledged
+from rlfabric.contracts.streams import trim_acknowledged
 from rlfabric.tools.ledger import (
     IN_FLIGHT,
     ROLLED_BACK,
@@ -43,7 +42,7 @@ class Run:
         self.root = tmp_path / "checkpoints"
         self.entry: dict[str, bytes] = {}
         self.applied: list[list[object]] = []
-        self.redis.xgroup_create(groups_key(RUN), CONSUMER_GROUP, id="0", mkstream=True)
+        self.redis.xgroup_create(keys.groups(RUN), CONSUMER_GROUP, id="0", mkstream=True)
 
     def dispatch(self, group_id: str) -> None:
         self.redis.incr(f"{BASE}:cursor")
@@ -56,7 +55,7 @@ class Run:
         group.samples[0].reward.status = common_pb2.REWARD_STATUS_OK
         self.redis.sadd(f"{BASE}:enqueued", group_id)
         self.entry[group_id] = self.redis.xadd(
-            groups_key(RUN), {"data": group.SerializeToString(), "group_id": group_id}
+            keys.groups(RUN), {"data": group.SerializeToString(), "group_id": group_id}
         )
         self.redis.hdel(f"{BASE}:inflight", group_id)
         self.redis.hincrby(f"{BASE}:counters", "groups_queued", 1)
@@ -67,12 +66,12 @@ class Run:
         self.redis.hincrby(f"{BASE}:counters", f"dropped_{reason}", 1)
 
     def deliver(self, count: int = 100) -> None:
-        self.redis.xreadgroup(CONSUMER_GROUP, "learner-0", {groups_key(RUN): ">"}, count)
+        self.redis.xreadgroup(CONSUMER_GROUP, "learner-0", {keys.groups(RUN): ">"}, count)
 
     def ack(self, *group_ids: str) -> None:
         entries = [self.entry[g] for g in group_ids if g in self.entry]
         if entries:
-            self.redis.xack(groups_key(RUN), CONSUMER_GROUP, *entries)
+            self.redis.xack(keys.groups(RUN), CONSUMER_GROUP, *entries)
 
     def train(self, step: int, *group_ids: str, version: int) -> None:
         self.applied += [[step, g] for g in group_ids]
@@ -88,10 +87,10 @@ class Run:
     def dead_letter(self, group_id: str, reason: str = "max_deliveries") -> None:
         entry = self.entry[group_id]
         self.redis.xadd(
-            dead_letter_key(RUN),
+            keys.dead_letters(RUN),
             {"data": b"", "group_id": group_id, "reason": reason, "entry_id": entry, "error": "x"},
         )
-        self.redis.xack(groups_key(RUN), CONSUMER_GROUP, entry)
+        self.redis.xack(keys.groups(RUN), CONSUMER_GROUP, entry)
 
     def checkpoint(self, step: int, ledger: list[str] | None = None) -> None:
         folder = self.root / f"step-{step:06d}"
@@ -150,15 +149,15 @@ def test_delivered_but_unacknowledged_is_in_flight(run: Run) -> None:
 
 
 def test_poison_entry_dead_lettered_is_fine_but_an_unexplained_one_is_not(run: Run) -> None:
-    poison = run.redis.xadd(groups_key(RUN), {"data": b"\xff\xff not a group"})
+    poison = run.redis.xadd(keys.groups(RUN), {"data": b"\xff\xff not a group"})
     run.deliver()
     record = {"data": b"", "group_id": "", "reason": "decode", "entry_id": poison}
-    run.redis.xadd(dead_letter_key(RUN), record)
-    run.redis.xack(groups_key(RUN), CONSUMER_GROUP, poison)
+    run.redis.xadd(keys.dead_letters(RUN), record)
+    run.redis.xack(keys.groups(RUN), CONSUMER_GROUP, poison)
     assert run.violations() == []
-    run.redis.xadd(groups_key(RUN), {"data": b"junk"})
+    run.redis.xadd(keys.groups(RUN), {"data": b"junk"})
     run.deliver()
-    run.redis.xack(groups_key(RUN), CONSUMER_GROUP, run.redis.xrange(groups_key(RUN))[-1][0])
+    run.redis.xack(keys.groups(RUN), CONSUMER_GROUP, run.redis.xrange(keys.groups(RUN))[-1][0])
     assert any("never enqueued" in v for v in run.violations())
 
 
@@ -185,7 +184,7 @@ def test_a_trained_group_that_was_never_enqueued_fails(run: Run) -> None:
 
 
 def test_a_trimmed_entry_fails(run: Run) -> None:
-    run.redis.xdel(groups_key(RUN), run.entry["f"])
+    run.redis.xdel(keys.groups(RUN), run.entry["f"])
     assert any("'f' enqueued but missing from the stream" in v for v in run.violations())
 
 
@@ -263,7 +262,7 @@ def test_a_drop_recorded_twice_is_one_outcome(run: Run) -> None:
 def test_trimmed_books_still_balance_with_the_same_outcomes(run: Run) -> None:
     before = check(run.redis, RUN, run.root).count()
     assert run.trim() == 4  # a, b (trained), c (stale), d (dead-lettered): all acknowledged
-    assert run.redis.xlen(groups_key(RUN)) == 2  # e, f undelivered: kept
+    assert run.redis.xlen(keys.groups(RUN)) == 2  # e, f undelivered: kept
     assert check(run.redis, RUN, run.root).count() == before
 
 
@@ -280,7 +279,7 @@ def test_a_trimmed_entry_of_an_unpublished_version_still_fails(run: Run) -> None
     run.deliver()
     run.train(2, "e", "f", "g", version=2)
     run.trim()
-    assert run.redis.xlen(groups_key(RUN)) == 0
+    assert run.redis.xlen(keys.groups(RUN)) == 0
     assert "group 'g' carries unpublished versions [7]" in run.violations()
 
 
@@ -290,7 +289,7 @@ def test_a_trimmed_entry_of_an_unpublished_version_still_fails(run: Run) -> None
 def restore(run: Run, version: int, step: int, weights_of: int, rolled_back: list[int]) -> None:
     """What a resumed learner records: the restore, then its marker row."""
     record = RestoreRecord(version, step, weights_of, rolled_back, 1.0)
-    run.redis.hset(lineage_key(RUN), str(version), record.to_json())
+    run.redis.hset(keys.lineage(RUN), str(version), record.to_json())
     run.redis.xadd(f"{BASE}:metrics", {"row": json.dumps(restart_row(step, version))})
 
 
@@ -298,9 +297,9 @@ def hand_back(run: Run, group_id: str, version: int) -> str:
     """What `lineage.HAND_BACK` writes (fakeredis has no Lua): record, new id in flight, counter, ack."""
     new_id = redispatch_id(group_id)
     record = {"group_id": group_id, "redispatched_as": new_id, "prompt_id": "p", "version": str(version)}
-    run.redis.xadd(rolled_back_key(RUN), record)
+    run.redis.xadd(keys.rolled_back(RUN), record)
     run.redis.hset(f"{BASE}:inflight", new_id, "{}")
-    run.redis.hincrby(f"{BASE}:counters", ROLLED_BACK_COUNTER, 1)
+    run.redis.hincrby(f"{BASE}:counters", keys.Counter.ROLLED_BACK, 1)
     run.ack(group_id)
     return new_id
 
@@ -363,7 +362,7 @@ def test_training_samples_of_a_rolled_back_version_fails(run: Run) -> None:
 
 
 def test_a_rolled_back_counter_off_by_one_fails(restarted: Run) -> None:
-    restarted.redis.hincrby(f"{BASE}:counters", ROLLED_BACK_COUNTER, 1)
+    restarted.redis.hincrby(f"{BASE}:counters", keys.Counter.ROLLED_BACK, 1)
     assert "rolled_back=2 != 1 records" in restarted.violations()
 
 

@@ -15,16 +15,15 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import Counter
 from rlfabric.contracts.streams import (
     BackpressureTimeout,
     GroupProducer,
-    dead_letter_key,
     encode_entry,
-    groups_key,
     parse_id,
     trim_acknowledged,
     trim_floor,
-    trimmed_key,
 )
 from rlfabric.learner.queue import (
     REASON_DECODE,
@@ -64,12 +63,12 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 
 def test_key_names() -> None:
-    assert groups_key("r1") == "rlfabric:r1:groups"
-    assert dead_letter_key("r1") == "rlfabric:r1:groups:dead"
+    assert keys.groups("r1") == "rlfabric:r1:groups"
+    assert keys.dead_letters("r1") == "rlfabric:r1:groups:dead"
     with pytest.raises(ValueError):
-        groups_key("")
+        keys.groups("")
     with pytest.raises(ValueError):
-        groups_key("a b")
+        keys.groups("a b")
 
 
 def test_encode_entry_is_protobuf_with_group_id() -> None:
@@ -190,24 +189,50 @@ async def test_produce_read_ack_and_trim(redis: aioredis.Redis) -> None:
     assert await consumer.ack([batch[0].entry_id]) == 1
     assert await trim_floor(redis, RUN) == batch[1].entry_id
     assert await producer.trim_acknowledged() == 1
-    assert await redis.xlen(groups_key(RUN)) == 3
+    assert await redis.xlen(keys.groups(RUN)) == 3
 
 
 async def test_duplicates_are_skipped_and_acked(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
-    for group_id in ["g0", "g1", "g0"]:
+    for group_id in ["g0", "g1"]:
         await producer.append(make_group(group_id))
+    await redis.xadd(keys.groups(RUN), encode_entry(make_group("g0")))  # not the producer's: it enqueues once
     consumer = GroupConsumer(redis, RUN, "c1", ledger=AppliedLedger(["g0"]))
     batch = await consumer.read(10)
     assert [d.group.group_id for d in batch if d.group] == ["g1"]
     assert consumer.counters.skipped_duplicate == 2
-    assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 1
+    assert (await redis.xpending(keys.groups(RUN), "learner"))["pending"] == 1
+
+
+async def test_a_group_id_is_enqueued_once_with_its_bookkeeping(redis: aioredis.Redis) -> None:
+    producer = GroupProducer(redis, RUN, max_len=10)
+    await redis.hset(keys.inflight(RUN), mapping={"g0": "{}", "g1": "{}"})
+    first = await producer.append(make_group("g0"))
+    assert first is not None and await producer.append(make_group("g0")) is None
+    assert await producer.append(make_group("g1")) is not None
+    assert (await entries(redis, keys.groups(RUN)))[0][0] == first
+    assert await redis.xlen(keys.groups(RUN)) == 2
+    assert await redis.smembers(keys.enqueued(RUN)) == {b"g0", b"g1"}
+    assert await redis.hlen(keys.inflight(RUN)) == 0  # cleared by the repeat too
+    assert await redis.hget(keys.counters(RUN), Counter.GROUPS_QUEUED) == b"2"
+
+
+async def test_trimming_counts_what_it_removed(redis: aioredis.Redis) -> None:
+    producer = GroupProducer(redis, RUN, max_len=10)
+    for i in range(3):
+        await producer.append(make_group(f"g{i}"))
+    consumer = GroupConsumer(redis, RUN, "c1", expected_n=2)
+    await consumer.ack([d.entry_id for d in await consumer.read(2)])
+    assert await producer.trim_acknowledged() == 2
+    assert await producer.trim_acknowledged() == 0
+    assert await redis.hget(keys.counters(RUN), Counter.STREAM_TRIMMED) == b"2"
+    assert await redis.hlen(keys.trimmed(RUN)) == 2
 
 
 async def test_poison_and_invalid_go_to_dead_letter(redis: aioredis.Redis) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
-    await redis.xgroup_create(groups_key(RUN), "learner", id="0", mkstream=True)
-    await redis.xadd(groups_key(RUN), {b"data": b"\xff\xff\xff garbage"})
+    await redis.xgroup_create(keys.groups(RUN), "learner", id="0", mkstream=True)
+    await redis.xadd(keys.groups(RUN), {b"data": b"\xff\xff\xff garbage"})
     bad = make_group("bad")
     bad.samples[0].reward.status = REWARD_STATUS_SCORER_ERROR
     await producer.append(bad)
@@ -216,11 +241,11 @@ async def test_poison_and_invalid_go_to_dead_letter(redis: aioredis.Redis) -> No
     batch = await consumer.read(10)
     assert [d.group.group_id for d in batch if d.group] == ["good"]
     assert consumer.counters.dead_lettered == {REASON_DECODE: 1, REASON_INVALID: 1}
-    dead = await entries(redis, dead_letter_key(RUN))
+    dead = await entries(redis, keys.dead_letters(RUN))
     assert [f[b"reason"] for _, f in dead] == [b"decode", b"invalid"]
     assert dead[0][1][b"data"] == b"\xff\xff\xff garbage"
     assert b"SCORER_ERROR" in dead[1][1][b"error"]
-    assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 1
+    assert (await redis.xpending(keys.groups(RUN), "learner"))["pending"] == 1
 
 
 async def test_caller_dead_letters_a_group_that_poisons_a_step(redis: aioredis.Redis) -> None:
@@ -229,11 +254,11 @@ async def test_caller_dead_letters_a_group_that_poisons_a_step(redis: aioredis.R
     consumer = GroupConsumer(redis, RUN, "c1")
     (delivery,) = await consumer.read(1)
     await consumer.dead_letter(delivery, "loss is NaN")
-    (_, record), *_ = await entries(redis, dead_letter_key(RUN))
+    (_, record), *_ = await entries(redis, keys.dead_letters(RUN))
     assert record[b"error"] == b"loss is NaN" and record[b"reason"] == REASON_STEP.encode()
     assert record[b"entry_id"] == delivery.entry_id.encode() and record[b"group_id"] == b"g0"
     assert ScoredGroup.FromString(record[b"data"]) == delivery.group
-    assert (await redis.xpending(groups_key(RUN), "learner"))["pending"] == 0
+    assert (await redis.xpending(keys.groups(RUN), "learner"))["pending"] == 0
 
 
 async def test_backpressure_times_out_when_full(redis: aioredis.Redis) -> None:
@@ -242,10 +267,10 @@ async def test_backpressure_times_out_when_full(redis: aioredis.Redis) -> None:
     await producer.append(make_group("g1"))
     with pytest.raises(BackpressureTimeout):
         await producer.append(make_group("g2"), timeout_s=0.05)
-    assert await redis.xlen(groups_key(RUN)) == 2
+    assert await redis.xlen(keys.groups(RUN)) == 2
     await GroupConsumer(redis, RUN, "c1").read(1)
     await producer.append(make_group("g2"), timeout_s=0.05)
-    assert await redis.xlen(groups_key(RUN)) == 3
+    assert await redis.xlen(keys.groups(RUN)) == 3
 
 
 async def test_trim_waits_for_every_consumer_group_and_keeps_summaries(
@@ -253,12 +278,12 @@ async def test_trim_waits_for_every_consumer_group_and_keeps_summaries(
 ) -> None:
     producer = GroupProducer(redis, RUN, max_len=10)
     ids = [await producer.append(make_group(f"g{i}", version=i)) for i in range(3)]
-    await redis.xgroup_create(groups_key(RUN), "audit", id="0")
+    await redis.xgroup_create(keys.groups(RUN), "audit", id="0")
     consumer = GroupConsumer(redis, RUN, "c1", expected_n=2)
     await consumer.ack([d.entry_id for d in await consumer.read(3)])
     assert await trim_acknowledged(redis, RUN) == 0  # "audit" has read nothing yet
-    await redis.xreadgroup("audit", "a1", {groups_key(RUN): ">"}, count=2)
-    await redis.xack(groups_key(RUN), "audit", ids[0])
+    await redis.xreadgroup("audit", "a1", {keys.groups(RUN): ">"}, count=2)
+    await redis.xack(keys.groups(RUN), "audit", ids[0])
     assert await trim_acknowledged(redis, RUN) == 1  # ids[1] pending in "audit", ids[2] undelivered
-    assert await redis.xlen(groups_key(RUN)) == 2
-    assert await redis.hgetall(trimmed_key(RUN)) == {ids[0].encode(): b'["g0", [0]]'}
+    assert await redis.xlen(keys.groups(RUN)) == 2
+    assert await redis.hgetall(keys.trimmed(RUN)) == {ids[0].encode(): b'["g0", [0]]'}

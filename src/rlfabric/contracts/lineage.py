@@ -9,13 +9,13 @@ steps the crash undid: they are *rolled back*. Their groups are neither trained 
 that no longer exists) nor dropped: the learner hands each back to the coordinator under a new group id,
 and the coordinator generates it again with the restored policy.
 
-Redis records (this module owns their names):
+Redis records (named in `rlfabric.contracts.keys`):
 
-    rlfabric:{run}:lineage      hash: restore version -> `RestoreRecord` JSON
-    rlfabric:{run}:rolled_back  stream: one entry per group handed back (group_id, redispatched_as,
-                                prompt_id, version)
-    rlfabric:{run}:redispatch   list: the new group ids not yet taken by the coordinator
-    rlfabric:{run}:counters     field `rolled_back`: groups handed back
+    keys.lineage      hash: restore version -> `RestoreRecord` JSON
+    keys.rolled_back  stream: one entry per group handed back (group_id, redispatched_as, prompt_id,
+                      version)
+    keys.redispatch   list: the new group ids not yet taken by the coordinator
+    keys.counters     field `rolled_back` (`Counter.ROLLED_BACK`): groups handed back
 
 Invariants:
 1. Within one learner life, version and step advance together (one publish per step), so a version holds
@@ -39,38 +39,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlfabric.contracts.streams import CONSUMER_GROUP, as_str, groups_key
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP, Counter
+from rlfabric.contracts.streams import as_str
 
-ROLLED_BACK_COUNTER = "rolled_back"
-"""The counter (in `rlfabric:{run}:counters`) of groups handed back for re-dispatch."""
 RESTART_EVENT = "learner_restart"
 """The `event` of the metrics row a learner writes when it resumes."""
 _REDISPATCH_SUFFIX = re.compile(r":r(\d+)$")
-
-
-def lineage_key(run_id: str) -> str:
-    """The hash of restore records, by version."""
-    return f"rlfabric:{run_id}:lineage"
-
-
-def rolled_back_key(run_id: str) -> str:
-    """The stream of groups handed back because their version was rolled back."""
-    return f"rlfabric:{run_id}:rolled_back"
-
-
-def redispatch_key(run_id: str) -> str:
-    """The list of handed-back group ids the coordinator has not taken yet."""
-    return f"rlfabric:{run_id}:redispatch"
-
-
-def inflight_key(run_id: str) -> str:
-    """The coordinator's hash of groups in flight (group id -> `inflight_record` JSON)."""
-    return f"rlfabric:{run_id}:inflight"
-
-
-def counters_key(run_id: str) -> str:
-    """The run's counters hash."""
-    return f"rlfabric:{run_id}:counters"
 
 
 def redispatch_id(group_id: str) -> str:
@@ -188,17 +163,17 @@ def plan_resume(lineage: Lineage, *, step: int, checkpoint_version: int, latest_
 
 async def load_lineage(redis: Any, run_id: str) -> Lineage:
     """The run's lineage from its restore records (an async client)."""
-    raw = await redis.hgetall(lineage_key(run_id))
+    raw = await redis.hgetall(keys.lineage(run_id))
     return Lineage(tuple(sorted((RestoreRecord.from_json(v) for v in raw.values()), key=lambda r: r.version)))
 
 
 async def record_restore(redis: Any, run_id: str, record: RestoreRecord) -> None:
     """Stores a restore record (idempotent: keyed by its version)."""
-    await redis.hset(lineage_key(run_id), str(record.version), record.to_json())
+    await redis.hset(keys.lineage(run_id), str(record.version), record.to_json())
 
 
 # KEYS: groups stream, rolled-back stream, in-flight hash, redispatch list, counters.
-# ARGV: entry id, group id, new group id, prompt id, version, in-flight record, consumer group.
+# ARGV: entry id, group id, new group id, prompt id, version, in-flight record, consumer group, counter.
 HAND_BACK = """
 if redis.call('XACK', KEYS[1], ARGV[7], ARGV[1]) == 0 then
   return 0
@@ -207,7 +182,7 @@ redis.call('XADD', KEYS[2], '*', 'group_id', ARGV[2], 'redispatched_as', ARGV[3]
            'version', ARGV[5], 'entry_id', ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[6])
 redis.call('RPUSH', KEYS[4], ARGV[3])
-redis.call('HINCRBY', KEYS[5], 'rolled_back', 1)
+redis.call('HINCRBY', KEYS[5], ARGV[8], 1)
 return 1
 """
 
@@ -227,12 +202,12 @@ async def hand_back(redis: Any, run_id: str, group: HandBack) -> str | None:
     """Hands a group of a rolled-back version back to the coordinator (invariant 3); returns the id it is
     generated again under, None when a previous call already handed it back."""
     new_id = redispatch_id(group.group_id)
-    keys = [
-        groups_key(run_id),
-        rolled_back_key(run_id),
-        inflight_key(run_id),
-        redispatch_key(run_id),
-        counters_key(run_id),
+    names = [
+        keys.groups(run_id),
+        keys.rolled_back(run_id),
+        keys.inflight(run_id),
+        keys.redispatch(run_id),
+        keys.counters(run_id),
     ]
     args = [
         group.entry_id,
@@ -242,16 +217,17 @@ async def hand_back(redis: Any, run_id: str, group: HandBack) -> str | None:
         str(group.version),
         inflight_record(new_id, group.prompt_id, group.epoch),
         CONSUMER_GROUP,
+        Counter.ROLLED_BACK.value,
     ]
-    done = await redis.eval(HAND_BACK, len(keys), *keys, *args)
+    done = await redis.eval(HAND_BACK, len(names), *names, *args)
     return new_id if int(done) else None
 
 
 async def take_handed_back(redis: Any, run_id: str) -> dict[str, Any] | None:
     """The coordinator's side: the next handed-back group's in-flight record, None when there is none.
     Ids whose record is gone (a restarted coordinator already finished them) are skipped."""
-    while (raw := await redis.lpop(redispatch_key(run_id))) is not None:
-        record = await redis.hget(inflight_key(run_id), as_str(raw))
+    while (raw := await redis.lpop(keys.redispatch(run_id))) is not None:
+        record = await redis.hget(keys.inflight(run_id), as_str(raw))
         if record is not None:
             return dict(json.loads(record))
     return None

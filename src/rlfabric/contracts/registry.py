@@ -1,6 +1,6 @@
 """The rollout replica registry in Redis: replicas announce themselves, the coordinator discovers them.
 
-Each replica owns one hash, `rlfabric:{run}:replicas:{replica_id}`, refreshed by a heartbeat and given a
+Each replica owns one hash, `keys.replica(run, replica_id)`, refreshed by a heartbeat and given a
 TTL of `ttl_s`: a replica that dies without deregistering disappears when its entry expires, and one that
 scales out appears at its first beat, so the coordinator sees scale-out and scale-in without restarts.
 A replica being removed (scale-in, SIGTERM) first marks its entry `draining`: it admits no new work and the
@@ -16,13 +16,9 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rlfabric.contracts import keys
+
 log = logging.getLogger(__name__)
-
-NO_RUN = "_"
-
-
-def replica_key(run_id: str | None, replica_id: str) -> str:
-    return f"rlfabric:{run_id or NO_RUN}:replicas:{replica_id}"
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ class ReplicaEntry:
 
 async def register(redis: Any, run_id: str | None, entry: ReplicaEntry, ttl_s: float) -> None:
     """Writes (or refreshes) the entry and its TTL in one transaction."""
-    key = replica_key(run_id, entry.replica_id)
+    key = keys.replica(run_id, entry.replica_id)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(key, mapping=entry.to_hash())
         pipe.pexpire(key, int(ttl_s * 1000))
@@ -74,13 +70,13 @@ async def register(redis: Any, run_id: str | None, entry: ReplicaEntry, ttl_s: f
 
 
 async def deregister(redis: Any, run_id: str | None, replica_id: str) -> None:
-    await redis.delete(replica_key(run_id, replica_id))
+    await redis.delete(keys.replica(run_id, replica_id))
 
 
 async def discover(redis: Any, run_id: str | None) -> list[ReplicaEntry]:
     """Every live replica of the run, sorted by id."""
     entries = []
-    async for key in redis.scan_iter(match=replica_key(run_id, "*"), count=100):
+    async for key in redis.scan_iter(match=keys.replica(run_id, "*"), count=100):
         data = await redis.hgetall(key)
         if data:
             entries.append(ReplicaEntry.from_hash(_decode(data)))

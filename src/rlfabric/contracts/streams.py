@@ -1,10 +1,12 @@
-"""The Redis stream of scored groups: key names, the consumer group, and the producer side.
+"""The Redis stream of scored groups (`keys.groups`): its entry format, the producer side, trimming, and
+the learner's exactly-once dead letters and stale drops.
 
 The coordinator appends each `ScoredGroup` (protobuf bytes, never pickle) to `rlfabric:{run}:groups`;
 the learner reads it through the consumer group "learner" (`rlfabric.learner.queue`). Delivery is
 at-least-once; the learner turns it into exactly-once training with its ledger of applied group ids.
 
 Invariants this module keeps:
+- A group id is enqueued at most once (`GroupProducer`, one Lua script with its bookkeeping).
 - Unconsumed entries are never trimmed. `append` applies backpressure instead of XADD MAXLEN: it waits
   while the group's lag (entries appended but not yet delivered to any consumer) is at least `max_len`.
   One producer object never overshoots (its appends are serialised); several producers sharing a run can
@@ -33,61 +35,15 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP, Counter, DropReason
 from rlfabric.v1.queue_pb2 import ScoredGroup
-
-CONSUMER_GROUP = "learner"
-"""The one consumer group on a run's stream: the learner ranks that read it."""
 
 DATA_FIELD = b"data"
 """Entry field holding `ScoredGroup.SerializeToString()`."""
 
 GROUP_ID_FIELD = b"group_id"
 """Entry field repeating the group id as text, for inspection with redis-cli."""
-
-
-def groups_key(run_id: str) -> str:
-    """The stream of a run's scored groups."""
-    _check_run_id(run_id)
-    return f"rlfabric:{run_id}:groups"
-
-
-def dead_letter_key(run_id: str) -> str:
-    """The dead-letter stream: entries the learner refused, with the error and the original payload."""
-    _check_run_id(run_id)
-    return f"rlfabric:{run_id}:groups:dead"
-
-
-def trimmed_key(run_id: str) -> str:
-    """Hash of the entries trimmed from the groups stream: entry id -> JSON [group id, [policy versions]]."""
-    _check_run_id(run_id)
-    return f"rlfabric:{run_id}:groups:trimmed"
-
-
-def dead_letter_ids_key(run_id: str) -> str:
-    """Set of the entry ids already dead-lettered (the idempotency key of `dead_letter_once`)."""
-    _check_run_id(run_id)
-    return f"rlfabric:{run_id}:groups:dead_ids"
-
-
-def stale_ids_key(run_id: str) -> str:
-    """Set of the entry ids already dropped as stale (the idempotency key of `drop_stale_once`)."""
-    _check_run_id(run_id)
-    return f"rlfabric:{run_id}:groups:stale_ids"
-
-
-def _counters_key(run_id: str) -> str:
-    """The run's counters hash (`rlfabric.coordinator.runs.counters_key`; common code cannot import it)."""
-    return f"rlfabric:{run_id}:counters"
-
-
-def _dropped_key(run_id: str) -> str:
-    """The run's drop records (the coordinator's `Keys.dropped`), where the learner's stale drops go too."""
-    return f"rlfabric:{run_id}:dropped"
-
-
-def _check_run_id(run_id: str) -> None:
-    if not run_id or any(c.isspace() for c in run_id):
-        raise ValueError(f"run id must be non-empty without whitespace, got {run_id!r}")
 
 
 def require_bytes_client(redis: aioredis.Redis) -> None:
@@ -111,7 +67,7 @@ def encode_entry(group: ScoredGroup) -> dict[bytes, bytes]:
 async def ensure_consumer_group(redis: aioredis.Redis, run_id: str) -> bool:
     """Creates the stream and its consumer group at id 0 unless they exist; True if it created them."""
     try:
-        await redis.xgroup_create(groups_key(run_id), CONSUMER_GROUP, id="0", mkstream=True)
+        await redis.xgroup_create(keys.groups(run_id), CONSUMER_GROUP, id="0", mkstream=True)
     except ResponseError as error:
         if "BUSYGROUP" not in str(error):
             raise
@@ -121,10 +77,10 @@ async def ensure_consumer_group(redis: aioredis.Redis, run_id: str) -> bool:
 
 async def group_info(redis: aioredis.Redis, run_id: str) -> dict[str, Any]:
     """XINFO GROUPS for the learner group (keys: pending, last-delivered-id, entries-read, lag, ...)."""
-    for info in await redis.xinfo_groups(groups_key(run_id)):
+    for info in await redis.xinfo_groups(keys.groups(run_id)):
         if as_str(info["name"]) == CONSUMER_GROUP:
             return dict(info)
-    raise LookupError(f"consumer group {CONSUMER_GROUP!r} missing on {groups_key(run_id)}")
+    raise LookupError(f"consumer group {CONSUMER_GROUP!r} missing on {keys.groups(run_id)}")
 
 
 async def undelivered(redis: aioredis.Redis, run_id: str, *, cap: int) -> int:
@@ -137,7 +93,7 @@ async def undelivered(redis: aioredis.Redis, run_id: str, *, cap: int) -> int:
     if info.get("lag") is not None:
         return min(int(info["lag"]), cap)
     start = "(" + as_str(info["last-delivered-id"])
-    entries = await redis.xrange(groups_key(run_id), min=start, max="+", count=cap)
+    entries = await redis.xrange(keys.groups(run_id), min=start, max="+", count=cap)
     return len(entries or [])
 
 
@@ -159,7 +115,7 @@ async def trim_floor(redis: aioredis.Redis, run_id: str) -> str:
     consumers: new pending entries only ever have ids above the last-delivered id read here, so the floor
     can only rise.
     """
-    groups = await redis.xinfo_groups(groups_key(run_id))
+    groups = await redis.xinfo_groups(keys.groups(run_id))
     floors = [await _group_floor(redis, run_id, info) for info in groups]
     return format_id(min(floors)) if floors else "0-0"
 
@@ -168,7 +124,7 @@ async def _group_floor(redis: aioredis.Redis, run_id: str, info: dict[str, Any])
     last = parse_id(info["last-delivered-id"])
     floor = (last[0], last[1] + 1)
     if int(info["pending"]) > 0:
-        summary = await redis.xpending(groups_key(run_id), as_str(info["name"]))
+        summary = await redis.xpending(keys.groups(run_id), as_str(info["name"]))
         if summary["min"] is not None:
             floor = min(floor, parse_id(summary["min"]))
     return floor
@@ -188,8 +144,8 @@ def entry_summary(fields: dict[bytes, bytes]) -> str:
 
 async def trim_acknowledged(redis: aioredis.Redis, run_id: str, *, batch: int = 1000) -> int:
     """Deletes up to `batch` acknowledged entries (those below `trim_floor`), recording each one's
-    `entry_summary` in `trimmed_key` in the same MULTI; returns how many were removed."""
-    key = groups_key(run_id)
+    `entry_summary` in `keys.trimmed` in the same MULTI; returns how many were removed."""
+    key = keys.groups(run_id)
     floor = await trim_floor(redis, run_id)
     entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(  # type: ignore[assignment]
         key, min="-", max="(" + floor, count=batch
@@ -198,31 +154,45 @@ async def trim_acknowledged(redis: aioredis.Redis, run_id: str, *, batch: int = 
         return 0
     last = parse_id(entries[-1][0])
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(trimmed_key(run_id), mapping={as_str(i): entry_summary(f) for i, f in entries})
+        pipe.hset(keys.trimmed(run_id), mapping={as_str(i): entry_summary(f) for i, f in entries})
         pipe.xtrim(key, minid=format_id((last[0], last[1] + 1)), approximate=False)
         _, removed = await pipe.execute()
     return int(removed)
 
 
-# KEYS: dead-letter stream, groups stream, counters, dead-letter ids; ARGV: entry id, consumer group, then the
-# record's field/value pairs. Records and counts an entry once; acknowledges it every time.
+# KEYS: dead-letter stream, groups stream, counters, dead-letter ids; ARGV: entry id, consumer group, counter,
+# then the record's field/value pairs. Records and counts an entry once; acknowledges it every time.
 DEAD_LETTER_ONCE = """
 if redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-  redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+  redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
 end
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
 return 1
 """
 
-# KEYS: dropped stream, groups stream, counters, stale ids; ARGV: entry id, consumer group, group id, lag.
+# KEYS: dropped stream, groups stream, counters, stale ids; ARGV: entry id, consumer group, group id, lag,
+# reason, counter.
 DROP_STALE_ONCE = """
 if redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[3], 'reason', 'stale', 'lag', ARGV[4])
-  redis.call('HINCRBY', KEYS[3], 'dropped_stale', 1)
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[3], 'reason', ARGV[5], 'lag', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], ARGV[6], 1)
 end
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
 return 1
+"""
+
+# KEYS: groups stream, enqueued set, in-flight hash, counters; ARGV: group id, payload, counter. Appends a
+# group id once (its entry id returned; false for a repeat) and clears its in-flight record every time.
+ENQUEUE_ONCE = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return false
+end
+local entry_id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'group_id', ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], ARGV[3], 1)
+return entry_id
 """
 
 
@@ -231,16 +201,24 @@ async def dead_letter_once(
 ) -> None:
     """Moves entry `entry_id` to the dead-letter stream (`record`), counts it in `dead_lettered` and
     acknowledges it, in one script: a retry or a replay records and counts nothing twice."""
-    keys = [dead_letter_key(run_id), groups_key(run_id), _counters_key(run_id), dead_letter_ids_key(run_id)]
+    names = [
+        keys.dead_letters(run_id),
+        keys.groups(run_id),
+        keys.counters(run_id),
+        keys.dead_letter_ids(run_id),
+    ]
     fields = [part for pair in record.items() for part in pair]
-    await redis.register_script(DEAD_LETTER_ONCE)(keys=keys, args=[entry_id, CONSUMER_GROUP, *fields])
+    args: list[bytes | str] = [entry_id, CONSUMER_GROUP, Counter.DEAD_LETTERED.value, *fields]
+    await redis.register_script(DEAD_LETTER_ONCE)(keys=names, args=args)
 
 
 async def drop_stale_once(redis: aioredis.Redis, run_id: str, entry_id: str, group_id: str, lag: int) -> None:
     """Records entry `entry_id` (group `group_id`, `lag` versions old) as dropped with the reason "stale",
     counts it in `dropped_stale` and acknowledges it, in one script: exact across retries and replays."""
-    keys = [_dropped_key(run_id), groups_key(run_id), _counters_key(run_id), stale_ids_key(run_id)]
-    await redis.register_script(DROP_STALE_ONCE)(keys=keys, args=[entry_id, CONSUMER_GROUP, group_id, lag])
+    names = [keys.dropped(run_id), keys.groups(run_id), keys.counters(run_id), keys.stale_ids(run_id)]
+    reason = DropReason.STALE
+    args: list[str | int] = [entry_id, CONSUMER_GROUP, group_id, lag, reason.value, reason.counter.value]
+    await redis.register_script(DROP_STALE_ONCE)(keys=names, args=args)
 
 
 class BackpressureTimeout(TimeoutError):
@@ -248,10 +226,15 @@ class BackpressureTimeout(TimeoutError):
 
 
 class GroupProducer:
-    """Appends scored groups to a run's stream, waiting while the learner's backlog is full.
+    """The coordinator's side of a run's groups stream: enqueues scored groups, exactly once per group id,
+    while the learner's backlog has room, and trims the entries the learner acknowledged.
 
-    Invariant: an append happens only when fewer than `max_len` entries are undelivered; the stream is
-    never trimmed by length, so nothing unconsumed is lost.
+    Invariants:
+    1. A group id is appended at most once: `ENQUEUE_ONCE` adds it to `keys.enqueued`, appends it, clears
+       its in-flight record and counts `groups_queued` in one script, so neither a coordinator killed
+       between two commands nor a call retried after a lost reply leaves the books off by one.
+    2. An append happens only when fewer than `max_len` entries are undelivered (this producer's appends
+       are serialised); the stream is never trimmed by length, so nothing unconsumed is lost.
     """
 
     def __init__(self, redis: aioredis.Redis, run_id: str, max_len: int, *, poll_s: float = 0.05) -> None:
@@ -260,24 +243,33 @@ class GroupProducer:
         require_bytes_client(redis)
         self.redis = redis
         self.run_id = run_id
-        self.key = groups_key(run_id)
+        self.names = [
+            keys.groups(run_id),
+            keys.enqueued(run_id),
+            keys.inflight(run_id),
+            keys.counters(run_id),
+        ]
+        """The keys of `ENQUEUE_ONCE`."""
         self.max_len = max_len
         self.poll_s = poll_s
         self.waits = 0
         """Appends that had to wait for room (a backpressure counter for metrics)."""
+        self._enqueue = redis.register_script(ENQUEUE_ONCE)
         self._lock = asyncio.Lock()
         self._group_ready = False
 
-    async def append(self, group: ScoredGroup, *, timeout_s: float | None = 30.0) -> str:
-        """Appends `group` once the backlog has room; returns the entry id.
+    async def append(self, group: ScoredGroup, *, timeout_s: float | None = 30.0) -> str | None:
+        """Appends `group` once the backlog has room; returns the entry id, None when its group id was
+        enqueued before (nothing appended; its in-flight record is cleared all the same).
 
         Raises BackpressureTimeout if there is no room within `timeout_s` (None waits forever).
         """
         fields = encode_entry(group)
+        args: list[bytes | str] = [fields[GROUP_ID_FIELD], fields[DATA_FIELD], Counter.GROUPS_QUEUED.value]
         async with self._lock:
             await self._wait_for_room(timeout_s)
-            entry_id = await self.redis.xadd(self.key, fields)  # type: ignore[arg-type]
-        return as_str(entry_id)
+            entry_id = await self._enqueue(keys=self.names, args=args)
+        return None if entry_id is None else as_str(entry_id)
 
     async def backlog(self) -> int:
         """Entries appended but not yet delivered to the learner, counted up to `max_len`."""
@@ -285,9 +277,15 @@ class GroupProducer:
         return await undelivered(self.redis, self.run_id, cap=self.max_len)
 
     async def trim_acknowledged(self) -> int:
-        """Deletes entries the learner has acknowledged; returns how many (see `trim_floor`)."""
+        """Trims every entry the learner has acknowledged (`trim_acknowledged`, summaries kept for the
+        ledger), counted in `stream_trimmed`; returns how many. The stream then holds only what is
+        undelivered or pending."""
         await self._ensure_group()
-        return await trim_acknowledged(self.redis, self.run_id)
+        total = 0
+        while removed := await trim_acknowledged(self.redis, self.run_id):
+            total += removed
+            await self.redis.hincrby(keys.counters(self.run_id), Counter.STREAM_TRIMMED.value, removed)  # type: ignore[misc]
+        return total
 
     async def _wait_for_room(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -295,7 +293,8 @@ class GroupProducer:
         while await self.backlog() >= self.max_len:
             if deadline is not None and time.monotonic() >= deadline:
                 raise BackpressureTimeout(
-                    f"{self.key}: {self.max_len} groups undelivered for {timeout_s} s; is the learner up?"
+                    f"{self.names[0]}: {self.max_len} groups undelivered for {timeout_s} s; "
+                    "is the learner up?"
                 )
             waited = True
             await asyncio.sleep(self.poll_s)

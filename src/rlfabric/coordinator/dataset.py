@@ -6,8 +6,8 @@ Rows come from JSONL, Parquet (needs pyarrow) or a folder written by `datasets.s
 hash of the prompt id, so it is the same on every restart and never depends on the shuffle.
 
 `PromptCursor` walks the training rows epoch by epoch in a seeded order and keeps its position in Redis
-(`rlfabric:{run}:cursor`): a restarted coordinator neither skips nor repeats a prompt. Prompts taken but not
-yet enqueued are tracked by the pipeline (`rlfabric:{run}:inflight`) and re-dispatched after a restart.
+(`keys.cursor`): a restarted coordinator neither skips nor repeats a prompt. Prompts taken but not
+yet enqueued are tracked by the pipeline (`keys.inflight`) and re-dispatched after a restart.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfabric.contracts import keys
 from rlfabric.runspec import DatasetSpec
 
 
@@ -166,7 +167,7 @@ class PromptCursor:
 
     def __init__(self, redis: Any, run_id: str, rows: list[PromptRow], spec: DatasetSpec) -> None:
         self.redis, self.rows, self.spec = redis, rows, spec
-        self.key = f"rlfabric:{run_id}:cursor"
+        self.key = keys.cursor(run_id)
         self._orders: dict[int, list[int]] = {}
 
     async def next(self) -> tuple[int, Draw | None]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.registry import discover
-from rlfabric.contracts.streams import CONSUMER_GROUP, as_str, group_info, groups_key, undelivered
+from rlfabric.contracts.streams import as_str, group_info, undelivered
 from rlfabric.coordinator.health import check_learner_stalled, check_no_replica
 from rlfabric.coordinator.runs import RunRecord, RunStore
 
@@ -22,23 +24,23 @@ WAITING_CAP = 10_000
 async def waiting_groups(redis: Any, run_id: str) -> int:
     """Groups in the stream the learner has not finished with: undelivered ones plus those delivered and
     not yet acknowledged (0 before the stream exists)."""
-    if not await redis.exists(groups_key(run_id)):
+    if not await redis.exists(keys.groups(run_id)):
         return 0
     try:
         info = await group_info(redis, run_id)
     except LookupError:  # the stream exists, its consumer group not yet: nothing was delivered
-        return int(await redis.xlen(groups_key(run_id)))
+        return int(await redis.xlen(keys.groups(run_id)))
     return await undelivered(redis, run_id, cap=WAITING_CAP) + int(info.get("pending") or 0)
 
 
 async def learner_idle_s(redis: Any, run_id: str) -> float | None:
     """Seconds since the most recent read of the stream by any learner consumer; None if none read it."""
-    if not await redis.exists(groups_key(run_id)):
+    if not await redis.exists(keys.groups(run_id)):
         return None
-    groups = [as_str(g["name"]) for g in await redis.xinfo_groups(groups_key(run_id))]
+    groups = [as_str(g["name"]) for g in await redis.xinfo_groups(keys.groups(run_id))]
     if CONSUMER_GROUP not in groups:
         return None
-    consumers = await redis.xinfo_consumers(groups_key(run_id), CONSUMER_GROUP)
+    consumers = await redis.xinfo_consumers(keys.groups(run_id), CONSUMER_GROUP)
     idle = [int(c["idle"]) / 1000 for c in consumers]
     return min(idle) if idle else None
 

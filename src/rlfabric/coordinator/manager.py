@@ -3,7 +3,7 @@
 A submitted run becomes `running` and gets a `RunPipeline` task. The pipeline's end decides the state:
 `completed` when the learner reached its step budget (or every prompt was trained), `stopped` after a stop
 request, `failed` with the reason when the dataset cannot be used or the pipeline crashes. In every final
-state the learner is told to finish (`rlfabric:{run}:stop_requested`), so `rlfabric up` can shut down.
+state the learner is told to finish (`keys.stop_requested`), so `rlfabric up` can shut down.
 A progress task mirrors the learner's latest step and version into the run record; for a run with
 `health.auto_stop` checks, a health task stops the run when one triggers (keeping the last good checkpoint).
 """
@@ -14,6 +14,8 @@ import asyncio
 import logging
 from typing import Any
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import StopReason
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.dataset import DatasetError
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
@@ -67,7 +69,7 @@ class RunManager:
                 helper.cancel()
             self.tasks.pop(run_id, None)
         # nx: a health stop already told the learner "health" (stop at once, no further checkpoint)
-        await self.redis.set(f"rlfabric:{run_id}:stop_requested", state, nx=True)
+        await self.redis.set(keys.stop_requested(run_id), StopReason(state).value, nx=True)
         await self.sync_progress(run_id)
         try:
             await self.store.set_state(run_id, state, error)  # type: ignore[arg-type]
@@ -124,7 +126,7 @@ class RunManager:
         warning = stopping_warning(rows, spec.health, max_tokens=spec.rollout.sampling.max_tokens)
         if warning is None:
             return False
-        await self.redis.set(f"rlfabric:{run_id}:stop_requested", "health")
+        await self.redis.set(keys.stop_requested(run_id), StopReason.HEALTH.value)
         good = last_good_checkpoint(rows, warning.since_step, spec.train.keep_checkpoints)
         await self.store.add_warning(run_id, warning.message)
         await self.store.request_stop(run_id, f"health: {warning.message}", good)

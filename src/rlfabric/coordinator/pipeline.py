@@ -7,8 +7,9 @@
       3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
                    only once it serves the learner's latest announced version
       4. score     the group's n completions in one Score call
-      5. enqueue   the ScoredGroup, exactly once per group id (a Lua script: mark + XADD + clear in-flight),
-                   with backpressure on the undelivered backlog; or drop it with a recorded reason
+      5. enqueue   the ScoredGroup, exactly once per group id (`streams.GroupProducer`: mark + XADD +
+                   clear in-flight in one script), with backpressure on the undelivered backlog; or drop
+                   it with a recorded reason
 
 A replica that fails mid-generation is excluded for a while and the group is re-dispatched elsewhere
 (counted). A prompt the replica refuses as invalid (INVALID_ARGUMENT naming `prompts[i]`: longer than the
@@ -16,7 +17,7 @@ context, empty) is dropped with the reason `invalid_prompt`, never retried and n
 Generated samples are held until they are enqueued: a reward service that fails is retried with backoff
 (`score_retries`, and a warning in the run status while it lasts), never answered by generating again.
 Acknowledged stream entries are trimmed periodically (their summaries kept, see `streams.trim_acknowledged`).
-Every drop is recorded in `rlfabric:{run}:dropped` with its reason, so the books balance: each drawn
+Every drop is recorded in `keys.dropped` with its `DropReason`, so the books balance: each drawn
 prompt is enqueued once, dropped with a reason, or still in flight.
 """
 
@@ -33,16 +34,12 @@ from typing import Any
 
 import grpc
 
-from rlfabric.contracts import lineage
-from rlfabric.contracts.streams import (
-    ensure_consumer_group,
-    groups_key,
-    trim_acknowledged,
-    undelivered,
-)
+from rlfabric.contracts import keys, lineage
+from rlfabric.contracts.keys import Counter, DropReason
+from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
 from rlfabric.coordinator.replicas import ReplicaPool
-from rlfabric.coordinator.runs import RunNotFound, RunStore, scaling_key
+from rlfabric.coordinator.runs import RunNotFound, RunStore
 from rlfabric.coordinator.scaling import (
     BusyMeter,
     ScalingConfig,
@@ -68,10 +65,10 @@ SCORE_RETRY_MAX_S = 10.0
 """Longest wait between two Score attempts of a held group."""
 TRIM_INTERVAL_S = 5.0
 """How often acknowledged entries are trimmed from the groups stream."""
+ENQUEUE_POLL_S = 0.1
+"""How often an enqueue waiting for room in the learner's backlog looks again."""
 INVALID_PROMPT_FIELD = "prompts["
 """How a replica's INVALID_ARGUMENT names a prompt it refuses (`prompts[0]: ... exceed the context`)."""
-DROP_INVALID_PROMPT = "invalid_prompt"
-"""Drop reason (ledger outcome `dropped:invalid_prompt`, counter `dropped_invalid_prompt`)."""
 REWARD_WARNING = "reward service unreachable"
 """Start of the run-status warning shown while Score calls fail."""
 REWARD_REFUSAL = "reward service refuses the run's scorer"
@@ -90,32 +87,22 @@ REFUSAL_CODES = frozenset(
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
 # between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
 # off by one.
-# KEYS: stream, enqueued-set, inflight-hash, counters; ARGV: group_id, data. Enqueue once per group id.
-ENQUEUE_ONCE = """
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  return 0
-end
-redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'group_id', ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[4], 'groups_queued', 1)
-return 1
-"""
-
-# KEYS: dropped stream, dropped-id set, inflight-hash, counters; ARGV: group_id, prompt_id, reason, detail.
+# The enqueue is `streams.ENQUEUE_ONCE`.
+# KEYS: dropped stream, dropped-id set, inflight-hash, counters; ARGV: group_id, prompt_id, reason, detail,
+# counter.
 DROP_ONCE = """
 if redis.call('SADD', KEYS[2], ARGV[1]) == 1 then
   redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'prompt_id', ARGV[2], 'reason', ARGV[3],
              'detail', ARGV[4])
-  redis.call('HINCRBY', KEYS[4], 'dropped_' .. ARGV[3], 1)
+  redis.call('HINCRBY', KEYS[4], ARGV[5], 1)
 end
 redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
 """
 
-# KEYS: cursor, inflight-hash, counters; ARGV: position, group_id, in-flight record. Takes the prompt at
-# `position` and records it in flight; a retry whose first call ran finds its own record and succeeds.
-# 0: the cursor is elsewhere (read it again).
+# KEYS: cursor, inflight-hash, counters; ARGV: position, group_id, in-flight record, counter. Takes the
+# prompt at `position` and records it in flight; a retry whose first call ran finds its own record and
+# succeeds. 0: the cursor is elsewhere (read it again).
 DRAW_AT = """
 local taken = tonumber(redis.call('GET', KEYS[1]) or '0')
 local position = tonumber(ARGV[1])
@@ -127,7 +114,7 @@ if taken ~= position then
 end
 redis.call('SET', KEYS[1], position + 1)
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'prompts_dispatched', 1)
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
 return 1
 """
 
@@ -147,17 +134,6 @@ class InFlight:
     epoch: int
     position: int
     attempts: int = 0
-
-
-class Keys:
-    def __init__(self, run_id: str) -> None:
-        base = f"rlfabric:{run_id}"
-        self.inflight, self.enqueued, self.dropped = f"{base}:inflight", f"{base}:enqueued", f"{base}:dropped"
-        self.dropped_ids = f"{base}:dropped_ids"
-        self.counters, self.step = f"{base}:counters", f"{base}:step"
-        self.eval, self.groups = f"{base}:eval", groups_key(run_id)
-        self.scaling = scaling_key(run_id)
-        self.version = f"{base}:version"
 
 
 class ReplicaFailed(RuntimeError):
@@ -221,7 +197,6 @@ class RunPipeline:
         reward_token: str | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
-        self.keys = Keys(run_id)
         self.reward = AsyncRewardClient(
             reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30, token=reward_token
         )
@@ -229,9 +204,8 @@ class RunPipeline:
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
         self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter)
-        self.max_stream_length = max_stream_length
+        self.producer = GroupProducer(redis, run_id, max_stream_length, poll_s=ENQUEUE_POLL_S)
         self.in_flight: dict[str, asyncio.Task[None]] = {}
-        self.enqueue_once = redis.register_script(ENQUEUE_ONCE)
         self.drop_once = redis.register_script(DROP_ONCE)
         self.draw_at = redis.register_script(DRAW_AT)
         self.rows: dict[str, PromptRow] = {}
@@ -241,17 +215,18 @@ class RunPipeline:
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
-    async def count(self, counter: str, n: int = 1) -> None:
-        await self.redis.hincrby(self.keys.counters, counter, n)
+    async def count(self, counter: Counter, n: int = 1) -> None:
+        await self.redis.hincrby(keys.counters(self.run_id), counter.value, n)
 
-    async def drop(self, item: InFlight, reason: str, detail: str = "") -> None:
-        await self.drop_once(
-            keys=[self.keys.dropped, self.keys.dropped_ids, self.keys.inflight, self.keys.counters],
-            args=[item.group_id, item.prompt_id, reason, detail],
-        )
+    async def drop(self, item: InFlight, reason: DropReason, detail: str = "") -> None:
+        """Records the group as dropped and counts it, once (`DROP_ONCE`); clears its in-flight record."""
+        run = self.run_id
+        names = [keys.dropped(run), keys.dropped_ids(run), keys.inflight(run), keys.counters(run)]
+        args = [item.group_id, item.prompt_id, reason.value, detail, reason.counter.value]
+        await self.drop_once(keys=names, args=args)
 
     async def learner_step(self) -> int:
-        return int(await self.redis.get(self.keys.step) or 0)
+        return int(await self.redis.get(keys.step(self.run_id)) or 0)
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -319,8 +294,8 @@ class RunPipeline:
     async def queued_untrained(self) -> int:
         """Groups enqueued that the learner has neither trained (in its current lineage) nor dropped nor
         handed back (a restarted learner's rolled-back groups, `rlfabric.contracts.lineage`)."""
-        names = ["groups_queued", "groups_trained", "dropped_stale", "dead_lettered"]
-        raw = await self.redis.hmget(self.keys.counters, [*names, lineage.ROLLED_BACK_COUNTER])
+        names = [Counter.GROUPS_QUEUED, Counter.GROUPS_TRAINED, Counter.DROPPED_STALE, Counter.DEAD_LETTERED]
+        raw = await self.redis.hmget(keys.counters(self.run_id), [*names, Counter.ROLLED_BACK])
         queued, trained, stale, dead, rolled_back = (int(v or 0) for v in raw)
         return max(0, queued - trained - stale - dead - rolled_back)
 
@@ -330,10 +305,10 @@ class RunPipeline:
 
     async def leftovers(self) -> list[InFlight]:
         """Groups a previous coordinator drew but never finished: re-dispatched first."""
-        raw = await self.redis.hgetall(self.keys.inflight)
+        raw = await self.redis.hgetall(keys.inflight(self.run_id))
         items = [InFlight(**json.loads(v)) for v in raw.values()]
         if items:
-            await self.count("redispatches", len(items))
+            await self.count(Counter.REDISPATCHES, len(items))
         return sorted(items, key=lambda i: (i.epoch, i.position))
 
     async def handed_back(self) -> InFlight | None:
@@ -354,8 +329,9 @@ class RunPipeline:
                 return None
             prompt_id = draw.row.prompt_id
             item = InFlight(f"{prompt_id}:e{draw.epoch}", prompt_id, draw.epoch, draw.position)
-            keys = [cursor.key, self.keys.inflight, self.keys.counters]
-            if await self.draw_at(keys=keys, args=[taken, item.group_id, json.dumps(asdict(item))]):
+            names = [cursor.key, keys.inflight(self.run_id), keys.counters(self.run_id)]
+            args = [taken, item.group_id, json.dumps(asdict(item)), Counter.PROMPTS_DISPATCHED.value]
+            if await self.draw_at(keys=names, args=args):
                 return item
 
     # --- one group --------------------------------------------------------------------------------
@@ -390,19 +366,19 @@ class RunPipeline:
                 break
             except ReplicaFailed as exc:
                 item.attempts += 1
-                await self.count("redispatches")
+                await self.count(Counter.REDISPATCHES)
                 log.warning("re-dispatching %s: %s", item.group_id, exc)
             except InvalidPrompt as exc:
                 log.warning("dropping %s: the replica refused its prompt: %s", item.group_id, exc)
-                await self.drop(item, DROP_INVALID_PROMPT, str(exc)[:500])
+                await self.drop(item, DropReason.INVALID_PROMPT, str(exc)[:500])
                 return []
-        await self.count("samples_generated", len(samples))
+        await self.count(Counter.SAMPLES_GENERATED, len(samples))
         return samples
 
     async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
         """One Generate call on the least-loaded replica. ReplicaFailed when the replica failed (it is
         excluded for a while), InvalidPrompt when it refused the prompt itself (not the replica's fault)."""
-        latest = int(await self.redis.get(self.keys.version) or 0)  # the learner's announced version
+        latest = int(await self.redis.get(keys.version(self.run_id)) or 0)  # the learner's announced version
         address = await self.replicas.acquire()
         request = rollout_pb2.GenerateRequest(
             request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
@@ -455,7 +431,7 @@ class RunPipeline:
                 scores = await self.score(row, samples)
             except grpc.aio.AioRpcError as exc:
                 await self.reward_outage(exc)
-                await self.count("score_retries")
+                await self.count(Counter.SCORE_RETRIES)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, SCORE_RETRY_MAX_S)
                 continue
@@ -486,19 +462,15 @@ class RunPipeline:
     ) -> None:
         failed = [s for s in scores if s.status != "ok"]
         if failed:
-            await self.count("scorer_errors", len(failed))
-            await self.drop(item, "scorer_error", failed[0].message[:500])
+            await self.count(Counter.SCORER_ERRORS, len(failed))
+            await self.drop(item, DropReason.SCORER_ERROR, failed[0].message[:500])
             return
         rewards = {s.reward for s in scores}
         if self.spec.rollout.dynamic_sampling and len(rewards) == 1:
-            await self.drop(item, "zero_variance")
+            await self.drop(item, DropReason.ZERO_VARIANCE)
             return
         group = self.build_group(item, samples, scores)
-        await self.wait_for_room()
-        await self.enqueue_once(
-            keys=[self.keys.groups, self.keys.enqueued, self.keys.inflight, self.keys.counters],
-            args=[item.group_id, group.SerializeToString()],
-        )
+        await self.producer.append(group, timeout_s=None)
 
     def build_group(
         self, item: InFlight, samples: list[rollout_pb2.GeneratedSample], scores: list[ItemResult]
@@ -532,21 +504,9 @@ class RunPipeline:
             enqueued_at=time.time(),
         )
 
-    async def wait_for_room(self) -> None:
-        """Backpressure: never trim; wait while the undelivered backlog is at its limit."""
-        while (
-            await undelivered(self.redis, self.run_id, cap=self.max_stream_length) >= self.max_stream_length
-        ):
-            await asyncio.sleep(0.1)
-
     async def trim_acknowledged(self) -> int:
-        """Trims every entry the learner has acknowledged (summaries kept for the ledger); counted in
-        `stream_trimmed`. The stream then holds only what is undelivered or pending."""
-        total = 0
-        while removed := await trim_acknowledged(self.redis, self.run_id):
-            total += removed
-            await self.count("stream_trimmed", removed)
-        return total
+        """Trims every entry the learner has acknowledged (`GroupProducer.trim_acknowledged`)."""
+        return await self.producer.trim_acknowledged()
 
     async def trim_periodically(self) -> None:
         """Keeps the groups stream (and Redis memory) from growing with the run."""
@@ -572,7 +532,7 @@ class RunPipeline:
         )
 
     async def export_scaling_periodically(self) -> None:
-        """Prometheus gauges and `rlfabric:{run}:scaling` (read by the API, `rlfabric up` and the
+        """Prometheus gauges and `keys.scaling` (read by the API, `rlfabric up` and the
         learner, which copies the busy fraction into its metrics rows)."""
         while True:
             cancel_point()
@@ -581,7 +541,7 @@ class RunPipeline:
             export_scaling_gauges(self.run_id, signal)
             try:
                 fields = {k: str(v) for k, v in signal.as_dict().items()}
-                await self.redis.hset(self.keys.scaling, mapping={**fields, "time": str(time.time())})
+                await self.redis.hset(keys.scaling(self.run_id), mapping={**fields, "time": str(time.time())})
             except Exception:  # tolerated: Redis restarting; the next interval writes again
                 log.warning("could not store the scaling signal", exc_info=True)
 
@@ -612,7 +572,7 @@ class RunPipeline:
                 "policy_version": min(versions),
                 "step": step,
             }
-            await self.redis.rpush(self.keys.eval, json.dumps(result))
+            await self.redis.rpush(keys.eval_results(self.run_id), json.dumps(result))
 
     async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)

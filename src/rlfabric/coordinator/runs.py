@@ -1,12 +1,8 @@
 """Run records in Redis: the coordinator's whole memory of its runs.
 
-Every piece of state lives in Redis, so a restarted coordinator finds its runs where it left them:
-
-    rlfabric:runs                 sorted set, run id -> creation time (unix seconds): the index
-    rlfabric:{run}:run            hash: the record (spec as JSON, state, step, policy version, ...)
-    rlfabric:{run}:counters       hash: pipeline counters (see `COUNTERS`), incremented with HINCRBY
-    rlfabric:{run}:metrics        stream: one entry per learner step (and eval rows), field `row` = JSON
-    rlfabric:{run}:scaling        hash: the pipeline's latest autoscaling signal (see `scaling.py`)
+Every piece of state lives in Redis, so a restarted coordinator finds its runs where it left them: the
+index of runs, each run's record, counters, metrics stream and scaling signal (`rlfabric.contracts.keys`:
+`runs_index`, `run`, `counters`, `metrics`, `scaling`).
 
 State changes are check-and-set transactions (WATCH/MULTI), so two writers never move a run along an
 illegal transition. A finished run (completed, failed, stopped) never changes state again.
@@ -25,6 +21,9 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import Counter
+from rlfabric.contracts.metrics import decode_row
 from rlfabric.runspec import RunSpec
 
 RunState = Literal["pending", "running", "completed", "failed", "stopped"]
@@ -43,22 +42,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 """Legal moves. Setting a non-final state to itself is an idempotent no-op (a restarted coordinator
 marks its resumed runs running again)."""
 
-COUNTERS = (
-    "prompts_dispatched",
-    "samples_generated",
-    "groups_queued",
-    "groups_trained",
-    "dropped_stale",
-    "dropped_zero_variance",
-    "scorer_errors",
-    "redispatches",
-    "score_retries",
-    "dropped_invalid_prompt",
-    "stream_trimmed",
-)
-"""The standard counter names; `counters()` reports each (0 when never incremented) plus any other."""
+COUNTERS = tuple(c.value for c in Counter)
+"""The standard counter names (`keys.Counter`); `counters()` reports each (0 when never incremented) plus
+any other."""
 
-INDEX_KEY = "rlfabric:runs"
 MetricsRows = list[dict[str, Any]]
 """Metrics rows, oldest first (an alias: `RunStore.list` shadows the builtin inside the class)."""
 _STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
@@ -118,26 +105,6 @@ class RunRecord(BaseModel):
     def finished(self) -> bool:
         """True in a final state."""
         return self.state in FINISHED
-
-
-def run_key(run_id: str) -> str:
-    """The hash holding a run's record."""
-    return f"rlfabric:{run_id}:run"
-
-
-def counters_key(run_id: str) -> str:
-    """The hash of a run's counters."""
-    return f"rlfabric:{run_id}:counters"
-
-
-def metrics_key(run_id: str) -> str:
-    """The stream of a run's metrics rows."""
-    return f"rlfabric:{run_id}:metrics"
-
-
-def scaling_key(run_id: str) -> str:
-    """The hash of a run's latest autoscaling signal (`ScalingSignal` fields and `time`)."""
-    return f"rlfabric:{run_id}:scaling"
 
 
 def _now() -> datetime:
@@ -229,34 +196,34 @@ class RunStore:
         )
 
         async def write(pipe: Pipeline) -> None:
-            if await pipe.exists(run_key(run_id)):
+            if await pipe.exists(keys.run(run_id)):
                 raise RunExists(f"a run named {run_id!r} already exists")
             pipe.multi()
-            pipe.hset(run_key(run_id), mapping=_encode(record))  # type: ignore[arg-type]
-            pipe.zadd(INDEX_KEY, {run_id: now.timestamp()})
+            pipe.hset(keys.run(run_id), mapping=_encode(record))  # type: ignore[arg-type]
+            pipe.zadd(keys.runs_index(), {run_id: now.timestamp()})
 
-        await self.redis.transaction(write, run_key(run_id))
+        await self.redis.transaction(write, keys.run(run_id))
         return record
 
     async def get(self, run_id: str) -> RunRecord:
         """The run's record; RunNotFound if there is none."""
-        raw = await self.redis.hgetall(run_key(run_id))  # type: ignore[misc]
+        raw = await self.redis.hgetall(keys.run(run_id))  # type: ignore[misc]
         if not raw:
             raise RunNotFound(f"no run {run_id!r}")
         return _decode(raw)
 
     async def exists(self, run_id: str) -> bool:
         """True if the run exists."""
-        return bool(await self.redis.exists(run_key(run_id)))
+        return bool(await self.redis.exists(keys.run(run_id)))
 
     async def list(self, *, limit: int = 100, states: set[str] | None = None) -> list[RunRecord]:
         """Runs, newest first; at most `limit` of them, only those in `states` when given."""
-        ids = [_text(i) for i in await self.redis.zrevrange(INDEX_KEY, 0, -1)]
+        ids = [_text(i) for i in await self.redis.zrevrange(keys.runs_index(), 0, -1)]
         records: list[RunRecord] = []
         for start in range(0, len(ids), 100):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for run_id in ids[start : start + 100]:
-                    pipe.hgetall(run_key(run_id))
+                    pipe.hgetall(keys.run(run_id))
                 batch = await pipe.execute()
             records += [_decode(raw) for raw in batch if raw]
             records = [r for r in records if states is None or r.state in states]
@@ -268,7 +235,7 @@ class RunStore:
         """Reads the record, asks `change` for the fields to set (it may raise), writes them atomically."""
 
         async def apply(pipe: Pipeline) -> RunRecord:
-            raw = await pipe.hgetall(run_key(run_id))  # type: ignore[misc]
+            raw = await pipe.hgetall(keys.run(run_id))  # type: ignore[misc]
             if not raw:
                 raise RunNotFound(f"no run {run_id!r}")
             record = _decode(raw)
@@ -276,10 +243,10 @@ class RunStore:
             pipe.multi()
             if fields:
                 fields["updated_at"] = _now().isoformat()
-                pipe.hset(run_key(run_id), mapping=fields)  # type: ignore[arg-type]
+                pipe.hset(keys.run(run_id), mapping=fields)  # type: ignore[arg-type]
             return record
 
-        await self.redis.transaction(apply, run_key(run_id), value_from_callable=True)
+        await self.redis.transaction(apply, keys.run(run_id), value_from_callable=True)
         return await self.get(run_id)
 
     async def set_state(self, run_id: str, state: RunState, error: str | None = None) -> RunRecord:
@@ -347,7 +314,7 @@ class RunStore:
     async def reopen(self, run_id: str) -> RunRecord:
         """Makes a stopped or failed run pending again, so that a (re)starting coordinator resumes it:
         `rlfabric up --resume`, the one way out of those final states. Clears the stop request, its
-        reason, the error and the learner's stop flag (`rlfabric:{run}:stop_requested`); the run keeps
+        reason, the error and the learner's stop flag (`keys.stop_requested`); the run keeps
         its counters, metrics, dataset position and stream. InvalidTransition for a completed run."""
 
         def change(record: RunRecord) -> dict[str, str]:
@@ -358,12 +325,12 @@ class RunStore:
             return {"state": "pending", "error": "", "stop_requested": "0", "stop_reason": ""}
 
         record = await self._update(run_id, change)
-        await self.redis.delete(f"rlfabric:{run_id}:stop_requested")
+        await self.redis.delete(keys.stop_requested(run_id))
         return record
 
     async def stop_requested(self, run_id: str) -> bool:
         """True once `request_stop` was called for the run."""
-        value = await self.redis.hget(run_key(run_id), "stop_requested")  # type: ignore[misc]
+        value = await self.redis.hget(keys.run(run_id), "stop_requested")  # type: ignore[misc]
         if value is None:
             raise RunNotFound(f"no run {run_id!r}")
         return _text(value) == "1"
@@ -372,25 +339,21 @@ class RunStore:
 
     async def incr(self, run_id: str, counter: str, n: int = 1) -> int:
         """Adds `n` to one of the run's counters and returns the new value."""
-        return int(await self.redis.hincrby(counters_key(run_id), counter, n))  # type: ignore[misc]
+        return int(await self.redis.hincrby(keys.counters(run_id), counter, n))  # type: ignore[misc]
 
     async def counters(self, run_id: str) -> dict[str, int]:
         """Every standard counter (0 if never incremented) and any other the run has."""
-        raw = await self.redis.hgetall(counters_key(run_id))  # type: ignore[misc]
+        raw = await self.redis.hgetall(keys.counters(run_id))  # type: ignore[misc]
         values = {name: 0 for name in COUNTERS}
         values.update({_text(k): int(v) for k, v in raw.items()})
         return values
 
     async def scaling(self, run_id: str) -> dict[str, float] | None:
         """The run's latest autoscaling signal, None before its pipeline exported one."""
-        raw = await self.redis.hgetall(scaling_key(run_id))  # type: ignore[misc]
+        raw = await self.redis.hgetall(keys.scaling(run_id))  # type: ignore[misc]
         return {_text(k): float(v) for k, v in raw.items()} or None
 
     # --- metrics ---------------------------------------------------------------------------------------
-
-    async def append_metrics(self, run_id: str, row: Mapping[str, Any]) -> str:
-        """Appends a metrics row (as the learner does) and returns its stream id."""
-        return _text(await self.redis.xadd(metrics_key(run_id), {"row": json.dumps(dict(row))}))
 
     async def metrics(
         self, run_id: str, since_id: str | None = None, limit: int | None = None
@@ -401,12 +364,12 @@ class RunStore:
         if since_id is not None and parse_stream_id(since_id) == LAST_STREAM_ID:
             return []  # nothing can follow the largest id (and Redis refuses to start after it)
         start = f"({since_id}" if since_id else "-"
-        entries: Any = await self.redis.xrange(metrics_key(run_id), min=start, max="+", count=limit)
+        entries: Any = await self.redis.xrange(keys.metrics(run_id), min=start, max="+", count=limit)
         return [_row(entry_id, fields) for entry_id, fields in entries]
 
     async def recent_metrics(self, run_id: str, count: int) -> MetricsRows:
         """The last `count` metrics rows, oldest first."""
-        entries: Any = await self.redis.xrevrange(metrics_key(run_id), max="+", min="-", count=count)
+        entries: Any = await self.redis.xrevrange(keys.metrics(run_id), max="+", min="-", count=count)
         return [_row(entry_id, fields) for entry_id, fields in reversed(entries)]
 
 
@@ -423,8 +386,7 @@ def parse_stream_id(text: str) -> tuple[int, int | None]:
 
 
 def _row(entry_id: Any, fields: Any) -> dict[str, Any]:
-    """A stream entry as a dict: the JSON object of field `row`, plus `_id`."""
-    decoded = {_text(k): _text(v) for k, v in fields.items()}
-    row: dict[str, Any] = json.loads(decoded.get("row", "{}"))
+    """A metrics stream entry as a dict: its row, plus `_id`."""
+    row = decode_row(fields)
     row["_id"] = _text(entry_id)
     return row

@@ -19,7 +19,7 @@ class LearnerServiceConfig(StrictModel):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     """Where the run's streams live."""
     run_id: str
-    """The run to train (streams rlfabric:{run_id}:*)."""
+    """The run to train (its Redis keys are `rlfabric:{run_id}:*`, see `rlfabric.contracts.keys`)."""
     run: RunSpec
     """The run spec (the same file the coordinator was given)."""
     consumer_name: str | None = None

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from prometheus_client import Gauge
 
-from rlfabric.contracts import lineage
+from rlfabric.contracts import keys, lineage
+from rlfabric.contracts.keys import Counter
 from rlfabric.contracts.lineage import HandBack, Lineage, ResumePlan
+from rlfabric.contracts.metrics import append_row
 from rlfabric.contracts.streams import drop_stale_once
 from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.checkpoint import latest_complete, prune
@@ -221,8 +223,8 @@ class Publisher:
         start = time.perf_counter()
         store.publish_version(self.paths.weights_root, version, state_dict, metadata=metadata)
         store.prune(self.paths.weights_root, keep=self.keep)
-        await self.redis.set(f"rlfabric:{self.run_id}:version", version)
-        await self.redis.publish(f"rlfabric:{self.run_id}:versions", version)
+        await self.redis.set(keys.version(self.run_id), version)
+        await self.redis.publish(keys.versions(self.run_id), version)
         return time.perf_counter() - start
 
 
@@ -263,7 +265,7 @@ class Restart:
 async def plan_restart(redis: Any, run_id: str, publisher: Publisher, trainer: Trainer) -> Restart | None:
     """Rank 0, after `restore`: None on a fresh start (no checkpoint, nothing published), else what this
     restart publishes and rolls back. The newest version is the object store's or the announced one."""
-    announced = int(await redis.get(f"rlfabric:{run_id}:version") or 0)
+    announced = int(await redis.get(keys.version(run_id)) or 0)
     latest = max(publisher.latest_published(), announced)
     if trainer.step == 0 and latest == 0:
         return None
@@ -290,10 +292,10 @@ async def mark_restart(redis: Any, run_id: str, paths: RunPaths, restart: Restar
     """Rank 0, once resumed: the run's step and trained-group count go back to the restored lineage's, and
     the restart marker row goes to metrics.jsonl and the metrics stream."""
     row = lineage.restart_row(restart.step, restart.plan.version)
-    await redis.set(f"rlfabric:{run_id}:step", restart.step)
-    await redis.hset(f"rlfabric:{run_id}:counters", "groups_trained", trained)
+    await redis.set(keys.step(run_id), restart.step)
+    await redis.hset(keys.counters(run_id), Counter.GROUPS_TRAINED, trained)
     write_metrics(paths.metrics, row)
-    await redis.xadd(f"rlfabric:{run_id}:metrics", {"row": json.dumps(row)})
+    await append_row(redis, run_id, row)
 
 
 class StepExport:

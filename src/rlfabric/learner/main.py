@@ -17,6 +17,9 @@ import socket
 import time
 from typing import Any
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import Counter, StopReason
+from rlfabric.contracts.metrics import append_row
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, destroy_distributed, init_distributed
 from rlfabric.learner.loop import (
@@ -152,7 +155,7 @@ class Learner:
         """Rank 0: the step's deliveries ([] if none arrived in time; None to stop)."""
         if not self.world.is_main:
             return []
-        if self.stopping or await self.stop_reason() == "health":
+        if self.stopping or await self.stop_reason() == StopReason.HEALTH:
             return None
         self.set_state(learner_pb2.LEARNER_STATE_WAITING)
         deliveries = await self.source.collect(self.spec.train.groups_per_step, self.version, timeout_s=5.0)
@@ -161,7 +164,7 @@ class Learner:
             if reason is None:
                 return []  # the step is not full yet: wait on
             # the run was stopped or its prompts ran out: train what was read, then stop
-            deliveries = [] if reason == "health" else self.source.take_rest()
+            deliveries = [] if reason == StopReason.HEALTH else self.source.take_rest()
             if not deliveries:
                 return None
         failpoints.hit("learner.after_read")
@@ -171,9 +174,9 @@ class Learner:
         """Why the coordinator ended the run, None while it goes on. "health" (a health check stopped
         it) means: stop before another step and, in `finish`, write no checkpoint of the suspect policy,
         so the good ones stay."""
-        raw = await self.redis.get(f"rlfabric:{self.config.run_id}:stop_requested")
+        raw = await self.redis.get(keys.stop_requested(self.config.run_id))
         reason = raw.decode() if isinstance(raw, bytes) else raw
-        self.health_stop = reason == "health"
+        self.health_stop = reason == StopReason.HEALTH
         return reason
 
     def encode(self, deliveries: list[Delivery] | None) -> list[bytes] | None:
@@ -254,10 +257,10 @@ class Learner:
         row.update(await self.rollout_utilisation())
         write_metrics(self.paths.metrics, row)
         self.export.write(row)
-        await self.redis.xadd(f"rlfabric:{self.config.run_id}:metrics", {"row": json.dumps(row)})
-        await self.redis.set(f"rlfabric:{self.config.run_id}:step", self.trainer.step)
+        await append_row(self.redis, self.config.run_id, row)
+        await self.redis.set(keys.step(self.config.run_id), self.trainer.step)
         # the groups applied in this lineage (a crash rolls it back with the checkpoint it restores)
-        await self.redis.hset(f"rlfabric:{self.config.run_id}:counters", "groups_trained", len(self.ledger))
+        await self.redis.hset(keys.counters(self.config.run_id), Counter.GROUPS_TRAINED, len(self.ledger))
         self.update_status(metrics, counters)
 
     def build_row(self, metrics: dict[str, float], counters: Any) -> dict[str, Any]:
@@ -275,7 +278,7 @@ class Learner:
 
     async def take_eval_results(self) -> dict[str, float]:
         """Held-out results the coordinator pushed since the last row (the latest one wins)."""
-        key = f"rlfabric:{self.config.run_id}:eval"
+        key = keys.eval_results(self.config.run_id)
         raw: list[bytes] | None = await self.redis.lpop(key, 1000)  # type: ignore[assignment]
         if not raw:
             return {}
@@ -285,7 +288,7 @@ class Learner:
     async def rollout_utilisation(self) -> dict[str, float]:
         """The coordinator's latest busy fractions of the run's replicas (its autoscaling signal): over
         its recent window, and since the run's first dispatch."""
-        key = f"rlfabric:{self.config.run_id}:scaling"
+        key = keys.scaling(self.config.run_id)
         recent, run = await self.redis.hmget(key, ["busy_fraction", "run_busy_fraction"])  # type: ignore[misc]
         if recent is None or run is None:
             return {}

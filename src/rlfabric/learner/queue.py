@@ -1,6 +1,6 @@
 """The learner's side of the groups stream: at-least-once delivery turned into exactly-once training.
 
-Redis delivers each entry of `rlfabric:{run}:groups` to one consumer of the group "learner" at least once
+Redis delivers each entry of `keys.groups` to one consumer of the group "learner" at least once
 (redelivered after a crash, reclaimed from a dead consumer). Training stays exactly-once because:
 
 1. `read` never hands out a group whose id is in the `AppliedLedger`; such a redelivery is acknowledged
@@ -10,7 +10,7 @@ Redis delivers each entry of `rlfabric:{run}:groups` to one consumer of the grou
    pending (they are redelivered and trained again, as the step was lost); a crash after it leaves them
    in the restored ledger (they are skipped).
 
-Entries that cannot be trained go to the dead-letter stream `rlfabric:{run}:groups:dead` (original
+Entries that cannot be trained go to the dead-letter stream `keys.dead_letters` (original
 payload, error, reason, delivery count, original entry id) and are acknowledged in the same MULTI, so an
 entry is never both lost and unrecorded: undecodable or invalid payloads at once, entries delivered more
 than `max_deliveries` times (a group that crashes the learner every time), and groups the caller rejects
@@ -33,14 +33,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.streams import (
-    CONSUMER_GROUP,
     DATA_FIELD,
     as_str,
-    dead_letter_key,
     dead_letter_once,
     ensure_consumer_group,
-    groups_key,
     require_bytes_client,
 )
 from rlfabric.v1.common_pb2 import REWARD_STATUS_OK, RewardStatus
@@ -227,8 +226,8 @@ class GroupConsumer:
         self.redis = redis
         self.run_id = run_id
         self.name = consumer_name
-        self.key = groups_key(run_id)
-        self.dead_key = dead_letter_key(run_id)
+        self.key = keys.groups(run_id)
+        self.dead_key = keys.dead_letters(run_id)
         self.max_deliveries = max_deliveries
         self.claim_idle_ms = claim_idle_ms
         self.ledger = ledger if ledger is not None else AppliedLedger()

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Info
 
+from rlfabric.contracts import keys
 from rlfabric.contracts.registry import Heartbeat, ReplicaEntry
 from rlfabric.rollout.config import EngineConfig, RolloutServiceConfig
 from rlfabric.rollout.engine import Engine
@@ -196,10 +197,10 @@ async def start_heartbeat(parts: Parts) -> None:
 
 
 async def follow_versions(parts: Parts) -> None:
-    """Loads each version the learner announces in `rlfabric:{run}:version` from the run's object store.
+    """Loads each version the learner announces in `keys.version` from the run's object store.
     A version that fails (it does not verify, it was pruned) is skipped until a newer one is announced."""
-    assert parts.servicer is not None and parts.redis is not None
-    key, failed = f"rlfabric:{parts.config.run_id}:version", -1
+    assert parts.servicer is not None and parts.redis is not None and parts.config.run_id
+    key, failed = keys.version(parts.config.run_id), -1
     while True:
         await asyncio.sleep(parts.config.version_poll_s)
         try:

@@ -6,7 +6,7 @@
 
 What the services record (the Guarantees of the design brief turned into data):
 - coordinator: its dataset position in `:cursor` (prompts taken), advanced in the same script that records
-  the prompt in flight and counts it in `prompts_dispatched` (`rlfabric:{run}:counters`); groups still in
+  the prompt in flight and counts it in `prompts_dispatched` (`keys.counters`); groups still in
   flight in the hash
   `:inflight`; group ids enqueued (once each, by a Lua script) in the set `:enqueued`; groups it dropped,
   with a reason (scorer_error, zero_variance, ...), in the stream `:dropped`;
@@ -48,8 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfabric.contracts.lineage import ROLLED_BACK_COUNTER, RestoreRecord, lineage_key, rolled_back_key
-from rlfabric.contracts.streams import CONSUMER_GROUP, dead_letter_key, groups_key, parse_id, trimmed_key
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP, DropReason
+from rlfabric.contracts.lineage import RestoreRecord
+from rlfabric.contracts.metrics import row_text
+from rlfabric.contracts.streams import parse_id
 from rlfabric.v1.queue_pb2 import ScoredGroup
 
 _CHECKPOINT = re.compile(r"^step-(\d{6,})$")
@@ -158,10 +161,9 @@ def read_books(
     redis: Any, run_id: str, checkpoints: str | Path | None, *, weights_root: str | None = None
 ) -> Books:
     """Reads a run's books with a blocking Redis client (bytes or decoded replies); reads nothing else."""
-    base = f"rlfabric:{run_id}"
     checkpoint = read_checkpoint(checkpoints) if checkpoints is not None else None
     published = {0}
-    if (announced := redis.get(f"{base}:version")) is not None:
+    if (announced := redis.get(keys.version(run_id))) is not None:
         published.add(int(_text(announced)))
     if weights_root is not None:
         from rlfabric.weights.versions import list_versions
@@ -171,40 +173,41 @@ def read_books(
     published |= {int(row["policy_version"]) for row in rows if "event" in row}
     return Books(
         run_id=run_id,
-        counters={_text(k): int(v) for k, v in redis.hgetall(f"{base}:counters").items()},
-        cursor=int(_text(redis.get(f"{base}:cursor") or 0)),
-        in_flight={_text(k) for k in redis.hkeys(f"{base}:inflight")},
-        enqueued={_text(m) for m in redis.smembers(f"{base}:enqueued")},
-        dropped=[_fields(f) for _, f in redis.xrange(f"{base}:dropped")],
+        counters={_text(k): int(v) for k, v in redis.hgetall(keys.counters(run_id)).items()},
+        cursor=int(_text(redis.get(keys.cursor(run_id)) or 0)),
+        in_flight={_text(k) for k in redis.hkeys(keys.inflight(run_id))},
+        enqueued={_text(m) for m in redis.smembers(keys.enqueued(run_id))},
+        dropped=[_fields(f) for _, f in redis.xrange(keys.dropped(run_id))],
         entries=_stream_entries(redis, run_id),
-        dead=[_fields(f) for _, f in redis.xrange(dead_letter_key(run_id))],
+        dead=[_fields(f) for _, f in redis.xrange(keys.dead_letters(run_id))],
         metric_versions=[int(row["policy_version"]) for row in rows if "event" not in row],
         applied_log=checkpoint[1] if checkpoint else None,
         applied_set=checkpoint[2] if checkpoint else None,
         checkpoint_step=checkpoint[0] if checkpoint else None,
         published=published,
         restores=sorted(
-            (RestoreRecord.from_json(v) for v in redis.hgetall(lineage_key(run_id)).values()),
+            (RestoreRecord.from_json(v) for v in redis.hgetall(keys.lineage(run_id)).values()),
             key=lambda r: r.version,
         ),
-        rolled_back=[_fields(f) for _, f in redis.xrange(rolled_back_key(run_id))],
+        rolled_back=[_fields(f) for _, f in redis.xrange(keys.rolled_back(run_id))],
     )
 
 
 def _metric_rows(redis: Any, run_id: str) -> list[dict[str, Any]]:
     """The learner's metrics rows in order, a row written twice (identical, time included) once."""
-    raw = redis.xrange(f"rlfabric:{run_id}:metrics")
-    return [json.loads(row) for row in dict.fromkeys(_text(f.get(b"row", f.get("row"))) for _, f in raw)]
+    raw = redis.xrange(keys.metrics(run_id))
+    return [json.loads(row) for row in dict.fromkeys(row_text(f) for _, f in raw)]
 
 
 def _trimmed_entries(redis: Any, run_id: str) -> list[StreamEntry]:
     """The entries trimmed from the stream (every one acknowledged when it was trimmed), oldest first."""
-    rows = [(parse_id(_text(i)), json.loads(_text(v))) for i, v in redis.hgetall(trimmed_key(run_id)).items()]
+    raw = redis.hgetall(keys.trimmed(run_id))
+    rows = [(parse_id(_text(i)), json.loads(_text(v))) for i, v in raw.items()]
     return [StreamEntry(f"{i[0]}-{i[1]}", g, tuple(v), "acked") for i, (g, v) in sorted(rows)]
 
 
 def _stream_entries(redis: Any, run_id: str) -> list[StreamEntry]:
-    key = groups_key(run_id)
+    key = keys.groups(run_id)
     trimmed = _trimmed_entries(redis, run_id)
     if not redis.exists(key):
         return trimmed
@@ -286,9 +289,9 @@ def _check_rolled_back(
     for entry in books.entries:
         if entry.group_id in trained and (bad := sorted(rolled_back & set(entry.versions))):
             violations.append(f"group {entry.group_id!r} trained on samples of rolled-back versions {bad}")
-    counted = books.counters.get(ROLLED_BACK_COUNTER, 0)
+    counted = books.counters.get(keys.Counter.ROLLED_BACK, 0)
     if counted != len(_handed_back(books)):
-        violations.append(f"{ROLLED_BACK_COUNTER}={counted} != {len(_handed_back(books))} records")
+        violations.append(f"{keys.Counter.ROLLED_BACK}={counted} != {len(_handed_back(books))} records")
 
 
 def _trained(books: Books, violations: list[str]) -> set[str]:
@@ -345,12 +348,12 @@ def _entry_outcome(
         return "dead_lettered:" + dead[entry.group_id]
     if entry.state != "acked":
         return IN_FLIGHT
-    return "" if any(o in ("dropped:stale", ROLLED_BACK) for o in recorded) else None
+    return "" if any(o in (f"dropped:{DropReason.STALE}", ROLLED_BACK) for o in recorded) else None
 
 
 def _check_counters(books: Books, violations: list[str]) -> None:
-    drops = [(g, reason) for g, reason in _unique_drops(books.dropped) if reason != "stale"]
-    dispatched = books.counters.get("prompts_dispatched", 0)
+    drops = [(g, reason) for g, reason in _unique_drops(books.dropped) if reason != DropReason.STALE]
+    dispatched = books.counters.get(keys.Counter.PROMPTS_DISPATCHED, 0)
     if books.cursor != dispatched:
         violations.append(
             f"the cursor took {books.cursor} prompts but prompts_dispatched={dispatched}"
@@ -363,8 +366,9 @@ def _check_counters(books: Books, violations: list[str]) -> None:
             f"prompts_dispatched={dispatched} + handed back {handed_back} but enqueued {len(books.enqueued)}"
             f" + dropped {len(drops)} + in flight {len(books.in_flight)} = {known}"
         )
-    if books.counters.get("groups_queued", 0) != len(books.enqueued):
-        violations.append(f"groups_queued={books.counters.get('groups_queued', 0)} != {len(books.enqueued)}")
+    queued = books.counters.get(keys.Counter.GROUPS_QUEUED, 0)
+    if queued != len(books.enqueued):
+        violations.append(f"{keys.Counter.GROUPS_QUEUED}={queued} != {len(books.enqueued)}")
     for reason, n in Counter(reason for _, reason in drops).items():
         if books.counters.get(f"dropped_{reason}", 0) != n:
             violations.append(f"dropped_{reason}={books.counters.get(f'dropped_{reason}', 0)} != {n} records")

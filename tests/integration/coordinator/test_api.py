@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
+from rlfabric.contracts.metrics import append_row
 from rlfabric.coordinator import runs_cli
 from rlfabric.coordinator.api import (
     ErrorBody,
@@ -102,7 +103,7 @@ async def test_status_shows_progress_counters_metrics_and_warnings(
     await store.incr("beta", "groups_queued", 12)
     for step in range(1, 11):
         collapsed = 1.0 if step <= 5 else 0.001
-        await store.append_metrics("beta", {"step": step, "reward_mean": 0.5, "entropy": collapsed})
+        await append_row(store.redis, "beta", {"step": step, "reward_mean": 0.5, "entropy": collapsed})
     status = (await client.get("/v1/runs/beta", headers=AUTH)).json()
     assert (status["state"], status["step"], status["policy_version"]) == ("running", 10, 10)
     assert status["counters"]["groups_queued"] == 12
@@ -514,7 +515,7 @@ async def test_since_at_the_ends_of_the_range_is_answered(
     client: httpx.AsyncClient, redis: Redis, since: str
 ) -> None:
     await submit(client, name="ends")
-    await RunStore(redis).append_metrics("ends", {"step": 1})
+    await append_row(redis, "ends", {"step": 1})
     response = await client.get("/v1/runs/ends/metrics", params={"since": since}, headers=AUTH)
     assert response.status_code == 200, response.text
     assert len(response.json()["rows"]) == (1 if since == "0" else 0)

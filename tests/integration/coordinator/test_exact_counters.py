@@ -10,7 +10,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rlfabric.contracts.streams import GroupProducer, dead_letter_key, groups_key
+from rlfabric.contracts import keys
+from rlfabric.contracts.streams import GroupProducer
 from rlfabric.learner.queue import Delivery, GroupConsumer
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.v1 import common_pb2, queue_pb2
@@ -54,16 +55,16 @@ async def record_both(url: str) -> None:
 
 
 async def _replay(client: aioredis.Redis) -> list[Delivery]:
-    entries = await client.xrange(groups_key(RUN))
+    entries = await client.xrange(keys.groups(RUN))
     return [Delivery(i.decode(), queue_pb2.ScoredGroup.FromString(f[b"data"]), None, 2) for i, f in entries]
 
 
 async def counts(url: str) -> tuple[dict[str, int], int, int, int]:
     client = aioredis.Redis.from_url(url)
     counters = {k.decode(): int(v) for k, v in (await client.hgetall(f"rlfabric:{RUN}:counters")).items()}
-    dead = await client.xlen(dead_letter_key(RUN))
+    dead = await client.xlen(keys.dead_letters(RUN))
     dropped = await client.xlen(f"rlfabric:{RUN}:dropped")
-    pending = int((await client.xpending(groups_key(RUN), "learner"))["pending"])
+    pending = int((await client.xpending(keys.groups(RUN), "learner"))["pending"])
     await client.aclose()
     return counters, dead, dropped, pending
 

@@ -11,11 +11,13 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.metrics import append_row
 from rlfabric.coordinator.api import create_app
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.health import last_good_checkpoint, stopping_warning
 from rlfabric.coordinator.manager import RunManager
-from rlfabric.coordinator.runs import RunStore, scaling_key
+from rlfabric.coordinator.runs import RunStore
 from rlfabric.runspec import RunSpec
 
 BASE: dict[str, Any] = {"model": {"path": "tiny"}, "dataset": {"path": "prompts.jsonl"}}
@@ -60,7 +62,7 @@ async def test_reward_hacking_stops_the_run_and_keeps_the_good_checkpoint(redis:
     store = RunStore(redis)
     record = await store.create(spec(auto_stop=["reward_hacking"]).model_copy(update={"name": "hacked"}))
     for row in hacked_rows():
-        await store.append_metrics(record.run_id, row)
+        await append_row(store.redis, record.run_id, row)
     manager = RunManager(CoordinatorServiceConfig(), redis)
     assert await manager.stop_if_unhealthy(record) is True
     after = await store.get(record.run_id)
@@ -75,7 +77,7 @@ async def test_a_warning_without_auto_stop_only_warns(redis: Redis) -> None:
     store = RunStore(redis)
     record = await store.create(spec().model_copy(update={"name": "warned"}))
     for row in hacked_rows():
-        await store.append_metrics(record.run_id, row)
+        await append_row(store.redis, record.run_id, row)
     assert await RunManager(CoordinatorServiceConfig(), redis).stop_if_unhealthy(record) is False
     config = CoordinatorServiceConfig.model_validate({"redis": {"url": "redis://unused"}})
     app = create_app(config, redis)
@@ -84,7 +86,7 @@ async def test_a_warning_without_auto_stop_only_warns(redis: Redis) -> None:
     assert status["stop_requested"] is False and status["stop_reason"] is None
     assert any("reward hacking" in w for w in status["warnings"])
     assert status["scaling"] is None
-    await redis.hset(scaling_key("warned"), mapping={"desired_replicas": "2", "busy_fraction": "0.97"})
+    await redis.hset(keys.scaling("warned"), mapping={"desired_replicas": "2", "busy_fraction": "0.97"})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as client:
         status = (await client.get("/v1/runs/warned")).json()
     assert status["scaling"] == {"desired_replicas": 2.0, "busy_fraction": 0.97}

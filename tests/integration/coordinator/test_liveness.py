@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.registry import ReplicaEntry, register
-from rlfabric.contracts.streams import CONSUMER_GROUP, ensure_consumer_group, groups_key
+from rlfabric.contracts.streams import ensure_consumer_group
 from rlfabric.coordinator import liveness
 from rlfabric.coordinator.health import LEARNER_STALL_S, check_learner_stalled, check_no_replica
 from rlfabric.coordinator.runs import RunStore
@@ -57,7 +59,7 @@ async def test_waiting_groups_nobody_reads_and_no_replica_warn(store: RunStore) 
     await running_run(store, "lonely")
     assert [w for w in await warnings(store, "lonely") if "learner" in w] == []  # nothing waits yet
     await ensure_consumer_group(store.redis, "lonely")
-    await store.redis.xadd(groups_key("lonely"), {"data": b"x"})
+    await store.redis.xadd(keys.groups("lonely"), {"data": b"x"})
     found = await warnings(store, "lonely", later_s=STALL + 1)
     assert any("learner stopped consuming" in w and "1 group(s) wait" in w for w in found), found
     assert any("no rollout replica serves" in w for w in found), found
@@ -66,9 +68,9 @@ async def test_waiting_groups_nobody_reads_and_no_replica_warn(store: RunStore) 
 async def test_a_reading_learner_and_a_registered_replica_are_quiet(store: RunStore) -> None:
     await running_run(store, "busy")
     await ensure_consumer_group(store.redis, "busy")
-    await store.redis.xadd(groups_key("busy"), {"data": b"x"})
-    await store.redis.xadd(groups_key("busy"), {"data": b"y"})
-    await store.redis.xreadgroup(CONSUMER_GROUP, "learner-0", {groups_key("busy"): ">"}, count=1)
+    await store.redis.xadd(keys.groups("busy"), {"data": b"x"})
+    await store.redis.xadd(keys.groups("busy"), {"data": b"y"})
+    await store.redis.xreadgroup(CONSUMER_GROUP, "learner-0", {keys.groups("busy"): ">"}, count=1)
     entry = ReplicaEntry("rollout-0", "127.0.0.1:1", 0, True, 0, 8, "m", "transformers")
     await register(store.redis, "busy", entry, ttl_s=30)
     assert await warnings(store, "busy", later_s=STALL + 1) == []  # it read a moment ago (Redis's clock)

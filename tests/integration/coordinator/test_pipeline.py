@@ -19,7 +19,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from rlfabric.contracts.streams import groups_key, trimmed_key
+from rlfabric.contracts import keys
 from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.learner.queue import GroupConsumer
 from rlfabric.local.procs import ServiceProcess
@@ -160,6 +160,6 @@ async def assert_books_balance(redis: aioredis.Redis) -> None:
     drops = await redis.xlen(f"rlfabric:{RUN}:dropped")
     in_flight = await redis.hlen(f"rlfabric:{RUN}:inflight")
     enqueued = await redis.scard(f"rlfabric:{RUN}:enqueued")
-    stream = await redis.xlen(groups_key(RUN)) + await redis.hlen(trimmed_key(RUN))  # trimmed: summaries
+    stream = await redis.xlen(keys.groups(RUN)) + await redis.hlen(keys.trimmed(RUN))  # trimmed: summaries
     assert counters["groups_queued"] == enqueued == stream
     assert counters["prompts_dispatched"] == enqueued + drops + in_flight, (counters, drops, in_flight)

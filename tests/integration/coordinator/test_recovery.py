@@ -19,7 +19,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rlfabric.contracts.streams import ensure_consumer_group, groups_key, trimmed_key
+from rlfabric.contracts import keys
+from rlfabric.contracts.streams import ensure_consumer_group
 from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.pipeline import REWARD_WARNING, InFlight, RunPipeline
 from rlfabric.coordinator.runs import RunStore
@@ -162,7 +163,7 @@ async def assert_books_balance(redis: aioredis.Redis, *, drawn: bool = True) -> 
     drops = await redis.xlen(f"rlfabric:{RUN}:dropped")
     in_flight = await redis.hlen(f"rlfabric:{RUN}:inflight")
     enqueued = await redis.scard(f"rlfabric:{RUN}:enqueued")
-    stream = await redis.xlen(groups_key(RUN)) + await redis.hlen(trimmed_key(RUN))
+    stream = await redis.xlen(keys.groups(RUN)) + await redis.hlen(keys.trimmed(RUN))
     assert found["groups_queued"] == enqueued == stream
     if drawn:
         assert found["prompts_dispatched"] == enqueued + drops + in_flight, (found, drops, in_flight)
@@ -207,7 +208,7 @@ async def test_redis_memory_stays_flat_over_many_groups(
     before = int((await redis.info("memory"))["used_memory"])
     payload = await run_groups(pipeline, consumer, 200, 1000)
     grown = int((await redis.info("memory"))["used_memory"]) - before
-    assert await redis.xlen(groups_key(RUN)) <= 50
+    assert await redis.xlen(keys.groups(RUN)) <= 50
     assert (await counters(redis))["stream_trimmed"] >= 1150
     assert grown < 0.1 * payload, (grown, payload)  # bookkeeping only (ids, summaries), no payloads
     await assert_books_balance(redis, drawn=False)

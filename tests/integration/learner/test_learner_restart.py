@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 import yaml
 from test_learner_service import applied_log, enqueue, make_groups
 
-from rlfabric.contracts import lineage, streams
+from rlfabric.contracts import keys, lineage, streams
 from rlfabric.weights import versions as store
 
 RUN = "restart"
@@ -88,7 +88,7 @@ def regenerate_handed_back(
         version = int(client.get(f"rlfabric:{RUN}:version") or 0)
         [group] = make_groups(model_dir, RUN, 1, version=version)
         group.group_id, group.prompt_id = record["group_id"], record["prompt_id"]
-        client.xadd(streams.groups_key(RUN), streams.encode_entry(group))
+        client.xadd(keys.groups(RUN), streams.encode_entry(group))
         taken.append(record["group_id"])
     assert len(taken) == count, taken
     return taken
@@ -133,7 +133,7 @@ def test_a_restarted_learner_publishes_the_checkpoint_and_re_dispatches_rolled_b
     assert sorted(handed_back) == ["p8:e0:r1", "p9:e0:r1"]
     assert file_hashes(root, 4) == checkpoint_hashes  # the checkpoint's weights, byte for byte
     assert store.read_manifest(root, 4).metadata == {"step": 2, "restored_step": 2, "weights_of": 2}
-    record = lineage.RestoreRecord.from_json(client.hget(lineage.lineage_key(RUN), "4"))
+    record = lineage.RestoreRecord.from_json(client.hget(keys.lineage(RUN), "4"))
     assert (record.version, record.restored_step, record.weights_of, record.rolled_back) == (4, 2, 2, [3])
 
     run_dir = tmp_path / "runs" / RUN
@@ -157,22 +157,22 @@ def test_a_restarted_learner_publishes_the_checkpoint_and_re_dispatches_rolled_b
     assert sorted(trained) == sorted(expected)  # each once; p8 and p9 only as regenerated
     counters = {k.decode(): int(v) for k, v in client.hgetall(f"rlfabric:{RUN}:counters").items()}
     assert counters.get("dropped_stale", 0) == 0  # p4-p7 (versions 1, 2) are within 1 step of version 4
-    assert counters[lineage.ROLLED_BACK_COUNTER] == 2
+    assert counters[keys.Counter.ROLLED_BACK] == 2
     records = [
-        {k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(lineage.rolled_back_key(RUN))
+        {k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.rolled_back(RUN))
     ]
     assert sorted((r["group_id"], r["redispatched_as"], r["version"]) for r in records) == [
         ("p8:e0", "p8:e0:r1", "3"),
         ("p9:e0", "p9:e0:r1", "3"),
     ]
-    assert client.xpending(streams.groups_key(RUN), streams.CONSUMER_GROUP)["pending"] == 0
+    assert client.xpending(keys.groups(RUN), keys.CONSUMER_GROUP)["pending"] == 0
 
 
 def test_handing_back_is_one_script_that_a_retry_cannot_repeat(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    client.xgroup_create(streams.groups_key(RUN), streams.CONSUMER_GROUP, id="0", mkstream=True)
-    client.xadd(streams.groups_key(RUN), {"data": b"x"})
-    [[_, [(entry_id, _)]]] = client.xreadgroup(streams.CONSUMER_GROUP, "c", {streams.groups_key(RUN): ">"})
+    client.xgroup_create(keys.groups(RUN), keys.CONSUMER_GROUP, id="0", mkstream=True)
+    client.xadd(keys.groups(RUN), {"data": b"x"})
+    [[_, [(entry_id, _)]]] = client.xreadgroup(keys.CONSUMER_GROUP, "c", {keys.groups(RUN): ">"})
     group = lineage.HandBack(entry_id.decode(), "p1:e2", "p1", 2, 7)
 
     async def twice() -> list[str | None]:
@@ -183,9 +183,9 @@ def test_handing_back_is_one_script_that_a_retry_cannot_repeat(redis_url: str) -
             await async_client.aclose()
 
     assert asyncio.run(twice()) == ["p1:e2:r1", None]
-    assert client.xpending(streams.groups_key(RUN), streams.CONSUMER_GROUP)["pending"] == 0
-    assert client.xlen(lineage.rolled_back_key(RUN)) == 1
-    assert client.hget(f"rlfabric:{RUN}:counters", lineage.ROLLED_BACK_COUNTER) == b"1"
-    record = json.loads(client.hget(lineage.inflight_key(RUN), "p1:e2:r1"))
+    assert client.xpending(keys.groups(RUN), keys.CONSUMER_GROUP)["pending"] == 0
+    assert client.xlen(keys.rolled_back(RUN)) == 1
+    assert client.hget(f"rlfabric:{RUN}:counters", keys.Counter.ROLLED_BACK) == b"1"
+    record = json.loads(client.hget(keys.inflight(RUN), "p1:e2:r1"))
     assert record == {"group_id": "p1:e2:r1", "prompt_id": "p1", "epoch": 2, "position": -1, "attempts": 0}
-    assert client.lrange(lineage.redispatch_key(RUN), 0, -1) == [b"p1:e2:r1"]
+    assert client.lrange(keys.redispatch(RUN), 0, -1) == [b"p1:e2:r1"]

@@ -20,7 +20,7 @@ import redis
 import torch
 import yaml
 
-from rlfabric.contracts import streams
+from rlfabric.contracts import keys, streams
 from rlfabric.learner.checkpoint import META, latest_complete
 from rlfabric.v1 import common_pb2, queue_pb2
 from rlfabric.weights import versions as store
@@ -81,9 +81,9 @@ def make_groups(model_dir: Path, run_id: str, count: int, version: int = 0) -> l
 
 def enqueue(redis_url: str, run_id: str, groups: list[queue_pb2.ScoredGroup]) -> None:
     client = redis.Redis.from_url(redis_url)
-    client.xgroup_create(streams.groups_key(run_id), streams.CONSUMER_GROUP, id="0", mkstream=True)
+    client.xgroup_create(keys.groups(run_id), keys.CONSUMER_GROUP, id="0", mkstream=True)
     for group in groups:
-        client.xadd(streams.groups_key(run_id), streams.encode_entry(group))
+        client.xadd(keys.groups(run_id), streams.encode_entry(group))
     client.close()
 
 
@@ -170,7 +170,7 @@ def test_two_rank_learner_trains_checkpoints_acks_and_publishes(
     assert after > before + 1.0, (before, after)
     assert sorted(g for _, g in applied_log(run_dir)) == sorted(f"p{i}:e0:a0" for i in range(6))
     client = redis.Redis.from_url(redis_url)
-    assert client.xpending(streams.groups_key(run_id), streams.CONSUMER_GROUP)["pending"] == 0
+    assert client.xpending(keys.groups(run_id), keys.CONSUMER_GROUP)["pending"] == 0
     assert int(client.get(f"rlfabric:{run_id}:version")) == 3
 
 
@@ -192,7 +192,7 @@ def test_killed_learner_resumes_and_trains_every_group_exactly_once(
     assert [s for s, _ in log] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert store.latest_committed(str(run_dir / "weights")) >= 4
     client = redis.Redis.from_url(redis_url)
-    assert client.xpending(streams.groups_key(run_id), streams.CONSUMER_GROUP)["pending"] == 0
+    assert client.xpending(keys.groups(run_id), keys.CONSUMER_GROUP)["pending"] == 0
 
 
 @pytest.mark.parametrize(("reason", "final_checkpoint"), [("health", 2), ("stopped", 3)])
@@ -224,5 +224,5 @@ def test_a_health_stop_halts_without_checkpointing_the_suspect_policy(
             os.killpg(proc.pid, 9)
     latest = latest_complete(tmp_path / "runs" / run_id / "checkpoints")
     assert latest is not None and latest.name == f"step-{final_checkpoint:06d}"
-    pending = client.xpending(streams.groups_key(run_id), streams.CONSUMER_GROUP)["pending"]
+    pending = client.xpending(keys.groups(run_id), keys.CONSUMER_GROUP)["pending"]
     assert pending == (2 if reason == "health" else 0)

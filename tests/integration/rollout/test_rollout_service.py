@@ -17,6 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
+from rlfabric.contracts import keys
 from rlfabric.rollout.config import RolloutServiceConfig
 from rlfabric.rollout.main import Parts, assemble, load_initial_weights, start_server
 from rlfabric.runtime.config import load_config
@@ -328,7 +329,7 @@ async def test_registry_entry_appears_refreshes_and_expires(
         beats = parts.heartbeat.beats  # type: ignore[union-attr]
         await asyncio.sleep(0.5)
         assert parts.heartbeat.beats > beats  # type: ignore[union-attr]
-        ttl = await client.pttl(registry.replica_key("run-r", entry.replica_id))
+        ttl = await client.pttl(keys.replica("run-r", entry.replica_id))
         assert 0 < ttl <= 600
         await parts.heartbeat.stop(deregister_entry=False)  # type: ignore[union-attr]
         await asyncio.sleep(0.8)  # three missed beats

@@ -8,6 +8,7 @@ from typing import Any
 import fakeredis
 import pytest
 
+from rlfabric.contracts.metrics import append_row
 from rlfabric.coordinator.health import (
     HealthThresholds,
     HealthWarning,
@@ -117,7 +118,7 @@ async def test_counters(store: RunStore) -> None:
 
 async def test_metrics_stream_round_trip(store: RunStore) -> None:
     await store.create(spec("a"))
-    ids = [await store.append_metrics("a", {"step": s, "reward_mean": s / 10}) for s in (1, 2, 3)]
+    ids = [await append_row(store.redis, "a", {"step": s, "reward_mean": s / 10}) for s in (1, 2, 3)]
     rows = await store.metrics("a")
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["_id"] for r in rows] == ids
     assert [r["step"] for r in await store.metrics("a", since_id=ids[0])] == [2, 3]
