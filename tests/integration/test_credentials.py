@@ -24,7 +24,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlfabric.learner.main import Status
+from rlfabric.learner.leader import Status
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name
 from rlfabric.v1 import learner_pb2, learner_pb2_grpc, reward_pb2, reward_pb2_grpc

@@ -335,7 +335,7 @@ async def _call_hook(store: RunStore, record: RunRecord, hook: RunHook) -> None:
     try:
         await hook(record)
     except Exception as e:
-        await store.set_state(record.run_id, "failed", error=f"could not start: {e}")
+        await store.set_state(record.run_id, RunState.FAILED, error=f"could not start: {e}")
         raise
 
 

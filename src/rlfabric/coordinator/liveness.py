@@ -15,7 +15,7 @@ from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.registry import discover
 from rlfabric.contracts.streams import as_str, group_info, undelivered
 from rlfabric.coordinator.health import check_learner_stalled, check_no_replica
-from rlfabric.coordinator.runs import RunRecord, RunStore
+from rlfabric.coordinator.runs import RunRecord, RunState, RunStore
 
 WAITING_CAP = 10_000
 """Undelivered groups are counted exactly up to this many."""
@@ -53,7 +53,7 @@ async def since_step_s(store: RunStore, run_id: str, now: float) -> float | None
 
 async def liveness_warnings(store: RunStore, record: RunRecord) -> list[str]:
     """The liveness warnings of a running run (none for a run in any other state)."""
-    if record.state != "running":
+    if record.state != RunState.RUNNING:
         return []
     redis, run_id, now = store.redis, record.run_id, time.time()
     stalled = check_learner_stalled(

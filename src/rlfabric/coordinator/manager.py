@@ -20,7 +20,7 @@ from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.dataset import DatasetError
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
 from rlfabric.coordinator.pipeline import RunPipeline
-from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunStore
+from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunState, RunStore
 from rlfabric.runtime.aio import cancel_point
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,13 @@ class RunManager:
 
     async def resume(self) -> None:
         """Picks up the runs a previous coordinator left pending or running."""
-        for record in await self.store.list(states={"pending", "running"}, limit=1000):
+        for record in await self.store.list(states={RunState.PENDING, RunState.RUNNING}, limit=1000):
             await self.on_submit(record)
 
     async def on_submit(self, record: RunRecord) -> None:
         if record.run_id in self.tasks:
             return
-        await self.store.set_state(record.run_id, "running")
+        await self.store.set_state(record.run_id, RunState.RUNNING)
         task = asyncio.get_running_loop().create_task(self.drive(record))
         self.tasks[record.run_id] = task
 
@@ -60,10 +60,10 @@ class RunManager:
         try:
             state, error = await self.run_pipeline(record), None
         except DatasetError as exc:
-            state, error = "failed", str(exc)
+            state, error = RunState.FAILED, str(exc)
         except Exception as exc:
             log.exception("run %s failed", run_id)
-            state, error = "failed", f"{type(exc).__name__}: {exc}"
+            state, error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
         finally:
             for helper in helpers:
                 helper.cancel()
@@ -72,12 +72,12 @@ class RunManager:
         await self.redis.set(keys.stop_requested(run_id), StopReason(state).value, nx=True)
         await self.sync_progress(run_id)
         try:
-            await self.store.set_state(run_id, state, error)  # type: ignore[arg-type]
+            await self.store.set_state(run_id, state, error)
         except InvalidTransition:  # already final (a pending run stopped by the API): keep that state
             log.info("run %s was already final; pipeline ended as %s", run_id, state)
         log.info("run %s %s", run_id, state)
 
-    async def run_pipeline(self, record: RunRecord) -> str:
+    async def run_pipeline(self, record: RunRecord) -> RunState:
         pipeline = RunPipeline(
             record.run_id,
             record.spec,

@@ -39,7 +39,7 @@ from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
 from rlfabric.coordinator.replicas import ReplicaPool
-from rlfabric.coordinator.runs import RunNotFound, RunStore
+from rlfabric.coordinator.runs import RunNotFound, RunState, RunStore
 from rlfabric.coordinator.scaling import (
     BusyMeter,
     ScalingConfig,
@@ -230,7 +230,7 @@ class RunPipeline:
 
     # --- the loop ---------------------------------------------------------------------------------
 
-    async def run(self, stop: Callable[[], Awaitable[bool]]) -> str:
+    async def run(self, stop: Callable[[], Awaitable[bool]]) -> RunState:
         rows = load_rows(self.spec.dataset)
         train, held_out = split(rows, self.spec.dataset.held_out_fraction)
         self.rows = {r.prompt_id: r for r in rows}
@@ -254,18 +254,18 @@ class RunPipeline:
             await self.replicas.close()
             await self.reward.close()
 
-    async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> str:
+    async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> RunState:
         pending = await self.leftovers()
         exhausted = False
         while True:
             cancel_point()
             if await stop():
-                return "stopped"
+                return RunState.STOPPED
             step = await self.learner_step()
             if step >= self.spec.train.steps:
-                return "completed"
+                return RunState.COMPLETED
             if exhausted and not self.in_flight and await self.drained():
-                return "completed"
+                return RunState.COMPLETED
             if not await self.admits(step):
                 await asyncio.sleep(0.05)
                 continue

@@ -15,7 +15,8 @@ import re
 import secrets
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal, get_args
+from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
@@ -26,18 +27,32 @@ from rlfabric.contracts.keys import Counter
 from rlfabric.contracts.metrics import decode_row
 from rlfabric.runspec import RunSpec
 
-RunState = Literal["pending", "running", "completed", "failed", "stopped"]
-"""pending: accepted, not started; running: the pipeline works on it; the other three are final."""
 
-FINISHED: frozenset[str] = frozenset({"completed", "failed", "stopped"})
-"""States a run never leaves."""
+class RunState(StrEnum):
+    """A run's lifecycle state. The values are the record's `state` field in Redis and in the REST API's
+    JSON; a member compares and hashes equal to its value."""
 
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"running", "failed", "stopped"}),
-    "running": frozenset({"completed", "failed", "stopped"}),
-    "completed": frozenset(),
-    "failed": frozenset(),
-    "stopped": frozenset(),
+    PENDING = "pending"
+    """Accepted, not started (or reopened to be resumed)."""
+    RUNNING = "running"
+    """The pipeline works on it."""
+    COMPLETED = "completed"
+    """Final: the learner reached its step budget, or every prompt was trained."""
+    FAILED = "failed"
+    """Final: the run could not go on (the record's `error` says why)."""
+    STOPPED = "stopped"
+    """Final: a stop was requested (through the API or by a health check)."""
+
+
+FINISHED: frozenset[RunState] = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.STOPPED})
+"""States a run never leaves (but `RunStore.reopen`, for failed and stopped ones)."""
+
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.PENDING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.STOPPED}),
+    RunState.RUNNING: frozenset({RunState.COMPLETED, RunState.FAILED, RunState.STOPPED}),
+    RunState.COMPLETED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.STOPPED: frozenset(),
 }
 """Legal moves. Setting a non-final state to itself is an idempotent no-op (a restarted coordinator
 marks its resumed runs running again)."""
@@ -80,7 +95,7 @@ class RunRecord(BaseModel):
     """Display name (equal to run_id)."""
     spec: RunSpec
     """The submitted spec, with `name` set to the run id."""
-    state: RunState = "pending"
+    state: RunState = RunState.PENDING
     """Lifecycle state."""
     created_at: datetime
     """When the run was accepted (UTC)."""
@@ -216,7 +231,7 @@ class RunStore:
         """True if the run exists."""
         return bool(await self.redis.exists(keys.run(run_id)))
 
-    async def list(self, *, limit: int = 100, states: set[str] | None = None) -> list[RunRecord]:
+    async def list(self, *, limit: int = 100, states: set[RunState] | None = None) -> list[RunRecord]:
         """Runs, newest first; at most `limit` of them, only those in `states` when given."""
         ids = [_text(i) for i in await self.redis.zrevrange(keys.runs_index(), 0, -1)]
         records: list[RunRecord] = []
@@ -251,7 +266,7 @@ class RunStore:
 
     async def set_state(self, run_id: str, state: RunState, error: str | None = None) -> RunRecord:
         """Moves the run to `state` (recording `error`); InvalidTransition for an illegal move."""
-        if state not in get_args(RunState):
+        if state not in {s.value for s in RunState}:
             raise ValueError(f"unknown run state {state!r}")
 
         def change(record: RunRecord) -> dict[str, str]:
@@ -305,8 +320,8 @@ class RunStore:
             fields = {"stop_requested": "1", "stop_reason": reason}
             if last_good_checkpoint is not None:
                 fields["last_good_checkpoint"] = str(last_good_checkpoint)
-            if record.state == "pending":
-                fields["state"] = "stopped"
+            if record.state == RunState.PENDING:
+                fields["state"] = RunState.STOPPED
             return fields
 
         return await self._update(run_id, change)
@@ -318,11 +333,11 @@ class RunStore:
         its counters, metrics, dataset position and stream. InvalidTransition for a completed run."""
 
         def change(record: RunRecord) -> dict[str, str]:
-            if record.state == "completed":
+            if record.state == RunState.COMPLETED:
                 raise InvalidTransition(f"run {run_id!r} has completed; there is nothing to resume")
             if not record.finished:
                 return {}
-            return {"state": "pending", "error": "", "stop_requested": "0", "stop_reason": ""}
+            return {"state": RunState.PENDING, "error": "", "stop_requested": "0", "stop_reason": ""}
 
         record = await self._update(run_id, change)
         await self.redis.delete(keys.stop_requested(run_id))

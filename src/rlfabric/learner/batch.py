@@ -15,50 +15,17 @@ sit at target position P - 1 + j (`MicroBatch.completion_start` = P - 1).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlfabric.learner.samples import GroupSamples as GroupSamples
+from rlfabric.learner.samples import Rollout as Rollout
+
 TRUNCATED = "length"
 """The finish reason of a completion cut at max_tokens."""
-
-
-@dataclass
-class Rollout:
-    """One sampled completion of a group's prompt, scored."""
-
-    token_ids: list[int]
-    """Completion token ids (the prompt is on the group)."""
-    logprobs: list[float]
-    """The inference engine's log-prob of each completion token: same length as `token_ids`."""
-    reward: float
-    """Sequence-level reward."""
-    finish_reason: str = "stop"
-    """"stop" or "length" (cut at max_tokens), as the engine reported it."""
-    policy_version: int = 0
-    """Policy version at dispatch."""
-
-
-@dataclass
-class GroupSamples:
-    """The n samples of one prompt: the unit the learner consumes, never split by the estimators."""
-
-    prompt_token_ids: list[int]
-    """The prompt, at least one token."""
-    rollouts: list[Rollout]
-    """The samples, in sample-index order."""
-    group_id: str = ""
-    """Identity of the group (for the applied-group ledger)."""
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError(f"group {self.group_id!r} has an empty prompt")
-        for r in self.rollouts:
-            if len(r.token_ids) != len(r.logprobs):
-                raise ValueError(
-                    f"group {self.group_id!r}: {len(r.token_ids)} tokens but {len(r.logprobs)} logprobs"
-                )
 
 
 @dataclass
@@ -122,8 +89,20 @@ class MicroBatch:
     """(B,) int64: the row's index in the step (its row in `StepBatch`)."""
     completion_start: Tensor
     """(B,) int64: target position of the first completion token (prompt length - 1)."""
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    """Per-token (B, T) tensors the trainer attaches (advantages, reference log-probs, ...)."""
+    # Attached by the trainer's phases (None until then; `attached` reads them), all (B, T) float32 in
+    # the target layout, on the micro-batch's device:
+    train_mask: Tensor | None = None
+    """The loss mask without the completions the run masks out (truncated ones); phase 1."""
+    ref_logp: Tensor | None = None
+    """The frozen reference's log-prob of each target (only with a reference); phase 2."""
+    old_logp: Tensor | None = None
+    """The pre-update policy's log-prob of each target (only when needed); phase 2."""
+    old_values: Tensor | None = None
+    """The critic's pre-update values (only with a critic); phase 2."""
+    advantages: Tensor | None = None
+    """Per-token advantages, 0 off the completions; phase 3."""
+    returns: Tensor | None = None
+    """The critic's targets (with a critic, or zeros when the step has no samples); phase 3."""
 
     @property
     def num_tokens(self) -> int:
@@ -138,8 +117,8 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """A copy with every tensor on `device`."""
-        moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
-        return MicroBatch(**moved, extras={k: v.to(device) for k, v in self.extras.items()})
+        moved: dict[str, Any] = {f.name: _moved(getattr(self, f.name), device) for f in fields(self)}
+        return replace(self, **moved)
 
     def completion_positions(self, width: int) -> Tensor:
         """Target position of completion column j for each row, clamped into the row: (B, width)."""
@@ -165,16 +144,16 @@ class MicroBatch:
         return gathered * (torch.arange(width, device=values.device) < lengths).to(gathered.dtype)
 
 
-_TENSOR_FIELDS = (
-    "input_ids",
-    "attention_mask",
-    "loss_mask",
-    "rollout_logprobs",
-    "rewards",
-    "group_index",
-    "sample_index",
-    "completion_start",
-)
+def _moved(value: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if value is None else value.to(device)
+
+
+def attached(value: Tensor | None) -> Tensor:
+    """A tensor a trainer phase attached to a micro-batch (`MicroBatch.train_mask`, ...); raises when the
+    phase has not run, a bug in the caller's phase order."""
+    if value is None:
+        raise ValueError("a micro-batch tensor was read before the trainer phase that attaches it")
+    return value
 
 
 @dataclass

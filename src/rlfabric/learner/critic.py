@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rlfabric.learner.algorithms import masked_sum, value_loss
-from rlfabric.learner.batch import MicroBatch
+from rlfabric.learner.batch import MicroBatch, attached
 from rlfabric.learner.checkpoint import TrainObjects
 from rlfabric.learner.dist import shard_model
 from rlfabric.learner.parts import compile_elementwise_blocks
@@ -88,8 +88,8 @@ class ValueLossConfig:
 
 
 class Critic:
-    """The value model, its optimiser and schedule. Micro-batches carry `old_values` and `returns` (B, T)
-    in `extras`, attached by the trainer's frozen pass and advantage phase."""
+    """The value model, its optimiser and schedule. Micro-batches carry `old_values` and `returns` (B, T),
+    attached by the trainer's frozen pass and advantage phase."""
 
     def __init__(
         self, model: ValueModel, optimizer: Optimizer, scheduler: LRScheduler, config: ValueLossConfig
@@ -109,9 +109,9 @@ class Critic:
         (weight 0)."""
         cfg = self.config
         values = self.model(mb.input_ids, mb.attention_mask)
-        returns = mb.extras["returns"]
+        returns = attached(mb.returns)
         loss, stats = value_loss(
-            values, mb.extras["old_values"], returns, mask, cfg.clip_eps, cfg.aggregation, cfg.max_tokens
+            values, attached(mb.old_values), returns, mask, cfg.clip_eps, cfg.aggregation, cfg.max_tokens
         )
         (loss * (cfg.coef * weight * world_size)).backward()
         values, tokens = values.detach(), mask.sum()

@@ -122,6 +122,48 @@ def all_reduce_max(value: int, world: World) -> int:
     return int(t.item())
 
 
+def _broadcast_device(world: World) -> torch.device:
+    """Where broadcast tensors live: this rank's GPU on NCCL, else the CPU."""
+    return world.device if world.backend == "nccl" else torch.device("cpu")
+
+
+def broadcast_flag(flag: bool, world: World) -> bool:
+    """Rank 0's `flag` on every rank (collective)."""
+    if world.size == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=_broadcast_device(world))
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+STOP = -1
+"""The payload count rank 0 sends to end the loop on every rank."""
+
+
+def share_payloads(payloads: list[bytes] | None, world: World) -> list[bytes] | None:
+    """Rank 0's list of byte strings on every rank (broadcasts of the count, the lengths, the bytes);
+    None on every rank when rank 0 passes None (stop). The other ranks' `payloads` are ignored."""
+    if world.size == 1:
+        return payloads
+    device = _broadcast_device(world)
+    count = torch.tensor([STOP if payloads is None else len(payloads)], dtype=torch.int64, device=device)
+    dist.broadcast(count, src=0)
+    if int(count) == STOP:
+        return None
+    payloads = payloads or []
+    lengths = torch.tensor([len(p) for p in payloads] or [0] * int(count), dtype=torch.int64, device=device)
+    if not world.is_main:
+        lengths = torch.zeros(int(count), dtype=torch.int64, device=device)
+    dist.broadcast(lengths, src=0)
+    blob = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8).to(device)
+    if not world.is_main:
+        blob = torch.zeros(max(int(lengths.sum()), 1), dtype=torch.uint8, device=device)
+    dist.broadcast(blob, src=0)
+    data = blob.cpu().numpy().tobytes()
+    offsets = [0, *torch.cumsum(lengths.cpu(), 0).tolist()]
+    return [data[offsets[i] : offsets[i + 1]] for i in range(int(count))]
+
+
 # -- FSDP2 ---------------------------------------------------------------------------------------------
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

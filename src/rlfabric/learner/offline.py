@@ -47,7 +47,7 @@ import torch
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, all_reduce_max, destroy_distributed, init_distributed
-from rlfabric.learner.loop import RunPaths, write_metrics
+from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime.logs import setup_logging
@@ -152,7 +152,6 @@ class OfflineRun:
         self.config, self.spec, self.world, self.trainer = config, config.run, world, trainer
         self.paths = RunPaths.of(config)
         self.state = OfflineState()
-        self.version = 0
         self.stopping = False
         self.checkpoint_step = -1
 
@@ -166,15 +165,14 @@ class OfflineRun:
         if self.trainer.step > 0 and self.checkpoint_step != self.trainer.step:
             self.persist()
         if self.world.is_main:
-            print(
-                f"rlfabric offline learner done at step {self.trainer.step}, version {self.version}",
-                flush=True,
-            )
+            step, version = self.trainer.step, self.trainer.policy_version
+            print(f"rlfabric offline learner done at step {step}, version {version}", flush=True)
         return self.trainer.step
 
     def resume(self, order: Sequence[PreferencePair]) -> None:
         """Restore the newest complete checkpoint (if any) and pick the next weights version (above the
-        checkpoint's and every published one; rank 0's view of the store, shared by all ranks)."""
+        checkpoint's and every published one; rank 0's view of the store, shared by all ranks): the trainer
+        holds the current weights under the version below it, and each step advances it by one."""
         latest = latest_complete(self.paths.checkpoints)
         if latest is not None:
             self.state = OfflineState.from_extra(self.trainer.load_checkpoint(latest))
@@ -183,7 +181,7 @@ class OfflineRun:
                 raise ValueError(f"{latest} consumed other pairs: the dataset or its order changed")
             log.info("resumed", extra={"checkpoint": str(latest), "step": self.trainer.step})
         published = (store.latest_committed(self.paths.weights_root) or 0) if self.world.is_main else 0
-        self.version = all_reduce_max(max(self.trainer.policy_version, published), self.world)
+        self.trainer.renumber(all_reduce_max(max(self.trainer.policy_version, published), self.world))
 
     def stop_requested(self) -> bool:
         """Whether any rank was asked to stop (collective: every rank agrees)."""
@@ -196,8 +194,6 @@ class OfflineRun:
         metrics["step_seconds"] = time.perf_counter() - start
         self.state.cursor += len(pairs)
         self.state.consumed.extend(p.pair_id for p in pairs)
-        self.version += 1
-        self.trainer.policy_version = self.version
         if self.trainer.step % self.spec.train.checkpoint_every == 0 or self.trainer.step >= last:
             metrics["checkpoint_seconds"] = self.persist()
         metrics["publish_seconds"] = self.publish()
@@ -213,12 +209,13 @@ class OfflineRun:
         return time.perf_counter() - start
 
     def publish(self) -> float:
-        """Gather the full weights (collective) and publish them as `self.version` from rank 0."""
+        """Gather the full weights (collective) and publish them as the trainer's version from rank 0."""
         start = time.perf_counter()
         state_dict = self.trainer.full_state_dict()
         if self.world.is_main:
             metadata = {"step": self.trainer.step, "pairs_consumed": self.state.cursor}
-            store.publish_version(self.paths.weights_root, self.version, state_dict, metadata=metadata)
+            version = self.trainer.policy_version
+            store.publish_version(self.paths.weights_root, version, state_dict, metadata=metadata)
             store.prune(self.paths.weights_root, keep=self.spec.weights.keep_versions)
         return time.perf_counter() - start
 
@@ -226,7 +223,11 @@ class OfflineRun:
         """Rank 0: one metrics.jsonl row for the step."""
         if not self.world.is_main:
             return
-        row: dict[str, Any] = {"step": self.trainer.step, "policy_version": self.version, "time": time.time()}
+        row: dict[str, Any] = {
+            "step": self.trainer.step,
+            "policy_version": self.trainer.policy_version,
+            "time": time.time(),
+        }
         row.update(metrics, pairs_consumed=self.state.cursor, pair_ids=[p.pair_id for p in pairs])
         write_metrics(self.paths.metrics, row)
 

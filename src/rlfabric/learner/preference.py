@@ -18,21 +18,19 @@ also multiplied by the world size. The reference is always loaded: DPO needs it 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfabric.learner.algorithms import PREFERENCE_LOSSES, masked_sum
 from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
-from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
-from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, compute_dtype, defer_gradient_sync
+from rlfabric.learner.checkpoint import TrainObjects
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, defer_gradient_sync
 from rlfabric.learner.parts import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
+from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runspec import RunSpec
 
 SUMMED_STATS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -105,14 +103,12 @@ class PairMicroBatch:
     """(2 * pairs,) the reference's completion log-probs, rows as in `mb` (set by the reference pass)."""
 
 
-class PreferenceTrainer:
+class PreferenceTrainer(TrainerBase[PreferencePair]):
     """Policy, frozen reference, optimizer and schedule of one learner rank, trained on preference pairs."""
 
     def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
-        self.spec, self.world, self.device = spec, world, device
-        random.seed(spec.train.seed)
-        torch.manual_seed(spec.train.seed)
-        dtype = compute_dtype(spec.model.dtype, device)
+        super().__init__(spec, device=device, world=world)
+        dtype = self.dtype
         checkpointing = spec.train.activation_checkpointing
         compile_blocks = spec.train.compile
         self.model = load_model(
@@ -130,13 +126,11 @@ class PreferenceTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.average = spec.preference.loss == "ipo"
-        self.step = 0
-        self.policy_version = 0
 
     # -- public API -------------------------------------------------------------------------------------
 
-    def train_step(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
-        """One optimizer step on `pairs` (the same list on every rank). Returns global metrics."""
+    def _train(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
+        """One optimizer step on `pairs` (`TrainerBase.train_step`). Returns global metrics."""
         if not pairs:
             raise ValueError("a train step needs at least one pair")
         self.optimizer.zero_grad(set_to_none=True)
@@ -145,8 +139,6 @@ class PreferenceTrainer:
         grad_norm, lr = self._optimizer_step()
         metrics = self._finish_metrics(sums)
         metrics.update(grad_norm=grad_norm, lr=lr)
-        self.step += 1
-        self.policy_version += 1
         return metrics
 
     def plan(self, pairs: Sequence[PreferencePair]) -> tuple[list[PairMicroBatch], float]:
@@ -160,22 +152,6 @@ class PreferenceTrainer:
         self._reference_pass(plan)
         local = torch.tensor([float(len(mine))], device=self.device)
         return plan, float(all_reduce_sum(local, self.world).item())
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
-
-    def save_checkpoint(self, root: str | Path, extra: dict[str, bytes | str] | None = None) -> Path:
-        """Write a resumable checkpoint of this step under `root` (collective)."""
-        state = CheckpointState(self.step, self.policy_version, dict(extra or {}))
-        return save_checkpoint(root, state, self._train_objects(), self.world)
-
-    def load_checkpoint(self, path: str | Path) -> dict[str, bytes | str]:
-        """Resume from the checkpoint at `path` (collective); returns the caller's `extra`."""
-        state = load_checkpoint(path, self._train_objects(), self.world)
-        self.step, self.policy_version = state.step, state.policy_version
-        return state.extra
 
     def _train_objects(self) -> TrainObjects:
         return TrainObjects(self.model, self.optimizer, self.scheduler)

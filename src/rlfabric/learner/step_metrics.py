@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from rlfabric.learner.algorithms import masked_sum
-from rlfabric.learner.batch import MicroBatch, StepBatch
+from rlfabric.learner.batch import MicroBatch, StepBatch, attached
 from rlfabric.learner.critic import critic_metrics
 
 
@@ -18,8 +18,9 @@ def sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.de
     lengths = sb.lengths.float()
     adv_sum, adv_sq, adv_tokens = (torch.zeros((), device=device) for _ in range(3))
     for mb in micro_batches:
-        adv_sum = adv_sum + masked_sum(mb.extras["advantages"], mb.loss_mask)
-        adv_sq = adv_sq + masked_sum(mb.extras["advantages"] ** 2, mb.loss_mask)
+        advantages = attached(mb.advantages)  # (B, T)
+        adv_sum = adv_sum + masked_sum(advantages, mb.loss_mask)
+        adv_sq = adv_sq + masked_sum(advantages**2, mb.loss_mask)
         adv_tokens = adv_tokens + mb.loss_mask.sum()
     return {
         "samples": torch.tensor(float(sb.rewards.numel()), device=device),

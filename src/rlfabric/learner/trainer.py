@@ -23,15 +23,13 @@ group estimators (GRPO, Dr.GRPO, RLOO) are unaffected by the split.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfabric.learner.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -50,22 +48,23 @@ from rlfabric.learner.batch import (
     GroupSamples,
     MicroBatch,
     StepBatch,
+    attached,
     build_micro_batches,
     empty_micro_batch,
     shard_groups,
 )
-from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
+from rlfabric.learner.checkpoint import TrainObjects
 from rlfabric.learner.critic import Critic, ValueLossConfig, load_value_model
 from rlfabric.learner.dist import (
     World,
     all_reduce_max,
     all_reduce_sum,
-    compute_dtype,
     defer_gradient_sync,
     reshard,
 )
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
 from rlfabric.learner.step_metrics import sample_sums, step_metrics
+from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runspec import RunSpec
 
 
@@ -109,15 +108,12 @@ class StepPlan:
     """The aggregation's normaliser summed over every micro-batch of every rank."""
 
 
-class Trainer:
+class Trainer(TrainerBase[GroupSamples]):
     """Policy, optional frozen reference, optimizer and schedule of one learner rank."""
 
     def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
-        self.spec, self.world, self.device = spec, world, device
+        super().__init__(spec, device=device, world=world)
         algo = spec.algorithm
-        random.seed(spec.train.seed)
-        torch.manual_seed(spec.train.seed)
-        self.dtype = compute_dtype(spec.model.dtype, device)
         self.model = load_model(
             model_path,
             device,
@@ -132,8 +128,6 @@ class Trainer:
         self.loss_config = policy_loss_config(spec)
         self.critic = self._load_critic(model_path)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
-        self.step = 0
-        self.policy_version = 0
 
     def _load_reference(self, model_path: str | Path) -> nn.Module | None:
         """The frozen reference, only when the KL coefficient is positive."""
@@ -170,8 +164,8 @@ class Trainer:
 
     # -- public API -------------------------------------------------------------------------------------
 
-    def train_step(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
-        """One step on the step's groups (the same list on every rank). Returns global metrics.
+    def _train(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
+        """One step on the step's groups (`TrainerBase.train_step`). Returns global metrics.
 
         With `ppo_epochs` > 1 the optimizer steps once per epoch over the same plan; the metrics are the
         last epoch's."""
@@ -185,8 +179,6 @@ class Trainer:
         metrics = self._finish_metrics(plan, sums)
         metrics.update(steps)
         self.kl.update(metrics.get("kl", 0.0), int(metrics["samples"]))
-        self.step += 1
-        self.policy_version += 1
         return metrics
 
     def accumulate_gradients(self, groups: Sequence[GroupSamples]) -> dict[str, float]:
@@ -210,7 +202,7 @@ class Trainer:
         micro_batches = self._pad_micro_batches(micro_batches)
         step_batch = StepBatch.from_groups(mine)
         for mb in micro_batches:
-            mb.extras["train_mask"] = self._train_mask(mb, step_batch)
+            mb.train_mask = self._train_mask(mb, step_batch)
         plan = StepPlan(step_batch, micro_batches, self._global_count(micro_batches))
         self._frozen_pass(plan)
         self._attach_advantages(plan)
@@ -230,22 +222,12 @@ class Trainer:
             out[mb.sample_index.cpu()] = masked_sum(logp, mb.loss_mask, dim=-1).cpu()
         return out
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
+    def _scalars(self) -> dict[str, Any]:
+        """The adaptive KL coefficient rides in the checkpoint."""
+        return {"kl_coef": self.kl.value}
 
-    def save_checkpoint(self, root: str | Path, extra: dict[str, bytes | str] | None = None) -> Path:
-        """Write a resumable checkpoint of this step under `root` (collective)."""
-        state = CheckpointState(self.step, self.policy_version, dict(extra or {}), {"kl_coef": self.kl.value})
-        return save_checkpoint(root, state, self._train_objects(), self.world)
-
-    def load_checkpoint(self, path: str | Path) -> dict[str, bytes | str]:
-        """Resume from the checkpoint at `path` (collective); returns the caller's `extra`."""
-        state = load_checkpoint(path, self._train_objects(), self.world)
-        self.step, self.policy_version = state.step, state.policy_version
-        self.kl.value = float(state.trainer["kl_coef"])
-        return state.extra
+    def _load_scalars(self, scalars: dict[str, Any]) -> None:
+        self.kl.value = float(scalars["kl_coef"])
 
     def _trained_models(self) -> list[nn.Module]:
         """The policy, and the critic when there is one."""
@@ -276,7 +258,7 @@ class Trainer:
         local = torch.zeros(1, device=self.device)
         for mb in micro_batches:
             if not _is_empty(mb):
-                local += normaliser_count(mb.extras["train_mask"], aggregation)
+                local += normaliser_count(attached(mb.train_mask), aggregation)
         return float(all_reduce_sum(local, self.world).item())
 
     # -- phase 2: frozen pass ---------------------------------------------------------------------------
@@ -289,11 +271,11 @@ class Trainer:
         need_old = self.spec.algorithm.ppo_epochs > 1 or (self.reference is not None and kl.mode == "reward")
         for mb in plan.micro_batches:
             if self.reference is not None:
-                mb.extras["ref_logp"] = self._logprobs(self.reference, mb)[0]
+                mb.ref_logp = self._logprobs(self.reference, mb)[0]
             if need_old:
-                mb.extras["old_logp"] = self._logprobs(self.model, mb)[0]
+                mb.old_logp = self._logprobs(self.model, mb)[0]
             if self.critic is not None:
-                mb.extras["old_values"] = self.critic.values(mb)
+                mb.old_values = self.critic.values(mb)
 
     def _logprobs(
         self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
@@ -310,12 +292,12 @@ class Trainer:
         sb = plan.step_batch
         if sb.rewards.numel() == 0:
             for mb in plan.micro_batches:
-                mb.extras["advantages"] = mb.extras["returns"] = torch.zeros_like(mb.loss_mask)
+                mb.advantages = mb.returns = torch.zeros_like(mb.loss_mask)
             return
         token_rewards = self._token_rewards(plan).to(self.device)
         mask = sb.completion_mask.to(self.device)
         values = (
-            self._completion_layout(plan, lambda mb: mb.extras["old_values"])
+            self._completion_layout(plan, lambda mb: attached(mb.old_values))
             if self.critic is not None
             else None
         )
@@ -329,13 +311,10 @@ class Trainer:
             gamma=algo.gamma,
             lam=algo.lam,
         )
-        attached = {"advantages": advantages, **({"returns": returns} if self.critic is not None else {})}
         for mb in plan.micro_batches:
-            empty = _is_empty(mb)
-            for name, per_token in attached.items():
-                mb.extras[name] = (
-                    torch.zeros_like(mb.loss_mask) if empty else mb.from_completion_layout(per_token, mask)
-                )
+            mb.advantages = _to_target_layout(mb, advantages, mask)
+            if self.critic is not None:
+                mb.returns = _to_target_layout(mb, returns, mask)
 
     def _token_rewards(self, plan: StepPlan) -> Tensor:
         """Outcome rewards (+ overlong penalty) on each completion's last token, minus the KL penalty when
@@ -355,7 +334,7 @@ class Trainer:
         """Per-token KL of the pre-update policy to the reference in the completion layout: (N, Tc)."""
         estimator = KL_ESTIMATORS[self.spec.algorithm.kl.estimator]
         return self._completion_layout(
-            plan, lambda mb: estimator(mb.extras["old_logp"], mb.extras["ref_logp"])
+            plan, lambda mb: estimator(attached(mb.old_logp), attached(mb.ref_logp))
         )
 
     @staticmethod
@@ -381,21 +360,22 @@ class Trainer:
             mb_sums = self._micro_batch_backward(mb, plan.global_count)
             if self.critic is not None:
                 weight = self._weight(mb, plan.global_count)
-                mb_sums.update(self.critic.backward(mb, mb.extras["train_mask"], weight, self.world.size))
+                mb_sums.update(self.critic.backward(mb, attached(mb.train_mask), weight, self.world.size))
             for name, value in mb_sums.items():
                 sums[name] = sums.get(name, torch.zeros((), device=self.device)) + value
         return sums
 
     def _micro_batch_backward(self, mb: MicroBatch, global_count: float) -> dict[str, Tensor]:
         """Loss of one micro-batch, weighted into the step's aggregate, backpropagated. Returns sums."""
-        algo, mask = self.spec.algorithm, mb.extras["train_mask"]
+        algo, mask = self.spec.algorithm, attached(mb.train_mask)
         logp, entropy = self._logprobs(self.model, mb, entropy_grad=algo.entropy_coef != 0)
         if algo.old_policy == "rollout":
             old_logp, rollout_logp = mb.rollout_logprobs, None  # the ratio is the importance weight
         else:
-            old_logp, rollout_logp = mb.extras.get("old_logp", logp.detach()), mb.rollout_logprobs
+            old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()
+            rollout_logp = mb.rollout_logprobs
         pg_loss, stats = policy_loss(
-            logp, old_logp, mb.extras["advantages"], mask, self.loss_config, rollout_logp
+            logp, old_logp, attached(mb.advantages), mask, self.loss_config, rollout_logp
         )
         stats.update(rollout_mismatch(logp, mb.rollout_logprobs, mask))
         kl_tokens = self._kl_tokens(logp, mb)
@@ -417,14 +397,14 @@ class Trainer:
         """This micro-batch's share of the step's normaliser: `local_count / global_count`."""
         if _is_empty(mb):
             return 0.0
-        local = float(normaliser_count(mb.extras["train_mask"], self.loss_config.aggregation))
+        local = float(normaliser_count(attached(mb.train_mask), self.loss_config.aggregation))
         return local / max(global_count, 1.0)
 
     def _kl_tokens(self, logp: Tensor, mb: MicroBatch) -> Tensor:
         """Per-token KL to the reference (with gradient through `logp`), or zeros without one. (B, T)."""
-        if "ref_logp" not in mb.extras:
+        if mb.ref_logp is None:
             return torch.zeros_like(logp)
-        return KL_ESTIMATORS[self.spec.algorithm.kl.estimator](logp, mb.extras["ref_logp"])
+        return KL_ESTIMATORS[self.spec.algorithm.kl.estimator](logp, mb.ref_logp)
 
     def _kl_loss(self, kl_tokens: Tensor, mask: Tensor) -> Tensor:
         """`coef * aggregate(kl)` when the KL is in the loss, else 0."""
@@ -475,3 +455,10 @@ class Trainer:
 def _is_empty(mb: MicroBatch) -> bool:
     """A padding micro-batch (see `empty_micro_batch`)."""
     return bool((mb.sample_index < 0).all())
+
+
+def _to_target_layout(mb: MicroBatch, per_token: Tensor, completion_mask: Tensor) -> Tensor:
+    """`mb`'s rows of a step tensor (N, Tc) in the target layout (B, T); zeros for a padding micro-batch."""
+    if _is_empty(mb):
+        return torch.zeros_like(mb.loss_mask)
+    return mb.from_completion_layout(per_token, completion_mask)

@@ -523,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     """Steps 2-5 of the module docstring; the exit code."""
+    from rlfabric.coordinator.runs import RunState
     from rlfabric.local.watch import Api, prepare_resume, summarize, watch
 
     options, spec = chosen.args, chosen.spec
@@ -552,7 +553,7 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         supervisor.close()
         stack.stop()
     summarize(status, chosen.run_dir, spec.name, services.scaler, supervisor)
-    return 0 if status.get("state") == "completed" else 1
+    return 0 if status.get("state") == RunState.COMPLETED else 1
 
 
 def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool) -> None:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 from rlfabric.local.scaler import LocalScaler
 from rlfabric.local.supervisor import Supervisor
 
-FINAL_STATES = ("completed", "failed", "stopped")
+INTERRUPTED = "interrupted"
+"""The watch's own end state after a second Ctrl-C (never a run's)."""
 ResumeAction = Literal["done", "submit", "resume"]
 """What `--resume` does with the run: nothing (it completed), submit it (it never was), or let the
 restarted coordinator pick it up."""
@@ -87,14 +88,16 @@ class Watch:
         """Supervision failed: stop the run if the coordinator still answers, and end as failed."""
         import httpx
 
+        from rlfabric.coordinator.runs import RunState
+
         with contextlib.suppress(httpx.HTTPError):  # the run fails here whatever the coordinator records
             self.api.stop(self.run_id)
-        self.status = {**self.status, "state": "failed", "error": f"supervision gave up: {reason}"}
+        self.status = {**self.status, "state": RunState.FAILED, "error": f"supervision gave up: {reason}"}
 
     def interrupted(self) -> None:
         """Ctrl-C: the first asks for a stop; the second leaves at once (KeyboardInterrupt)."""
         if self.stop_wanted or self.status.get("stop_requested"):
-            self.status = {**self.status, "state": "interrupted"}
+            self.status = {**self.status, "state": INTERRUPTED}
             raise KeyboardInterrupt
         print("\nstopping the run ...", flush=True)
         self.stop_wanted = True
@@ -115,10 +118,12 @@ def watch(
     import httpx
     from tqdm import tqdm
 
+    from rlfabric.coordinator.runs import FINISHED
+
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
     bar.last_step = 0
     state = Watch(api, run_id, supervisor, scaler)
-    while state.status.get("state") not in (*FINAL_STATES, "interrupted"):
+    while state.status.get("state") not in (*FINISHED, INTERRUPTED):
         try:
             time.sleep(1.0)
             state.tick()
@@ -172,7 +177,7 @@ def prepare_resume(redis_url: str, run_id: str) -> ResumeAction:
 async def _prepare_resume(redis_url: str, run_id: str) -> ResumeAction:
     from redis.asyncio import Redis
 
-    from rlfabric.coordinator.runs import RunNotFound, RunStore
+    from rlfabric.coordinator.runs import RunNotFound, RunState, RunStore
 
     redis = Redis.from_url(redis_url)
     try:
@@ -182,7 +187,7 @@ async def _prepare_resume(redis_url: str, run_id: str) -> ResumeAction:
         except RunNotFound:
             print(f"run {run_id} was never submitted; submitting it", flush=True)
             return "submit"
-        if record.state == "completed":
+        if record.state == RunState.COMPLETED:
             print(f"run {run_id} already completed at step {record.step}; nothing to resume", flush=True)
             return "done"
         if record.finished:

@@ -42,7 +42,7 @@ def group(group_id: str) -> queue_pb2.ScoredGroup:
 
 async def record_both(url: str) -> None:
     """Reads both entries, dead-letters the first and drops the second as stale (the learner's calls)."""
-    from rlfabric.learner.loop import StepSource  # the learner's stale-drop path (imports torch)
+    from rlfabric.learner.leader import StepSource  # the learner's stale-drop path (imports torch)
 
     client = aioredis.Redis.from_url(url)
     consumer = GroupConsumer(client, RUN, "learner-0")
