@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import CONSUMER_GROUP, Counter, DropReason
 from rlfabric.v1.queue_pb2 import ScoredGroup
 
@@ -135,10 +135,10 @@ def entry_summary(fields: dict[bytes, bytes]) -> str:
     versions for a payload that is not a ScoredGroup)."""
     group_id = as_str(fields.get(GROUP_ID_FIELD, b""))
     try:
-        group = ScoredGroup.FromString(fields.get(DATA_FIELD, b""))
+        group = wire.decode_group(fields.get(DATA_FIELD, b""))
     except DecodeError:
         return json.dumps([group_id, []])
-    versions = {group.policy_version, *(s.policy_version for s in group.samples)}
+    versions = wire.group_versions(group)
     return json.dumps([group.group_id or group_id, sorted(versions)])
 
 

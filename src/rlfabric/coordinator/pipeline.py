@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from rlfabric.contracts import keys, lineage
+from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
@@ -48,12 +48,12 @@ from rlfabric.coordinator.scaling import (
     export_scaling_gauges,
     scaling_signal,
 )
-from rlfabric.reward.client import AsyncRewardClient, ItemResult
-from rlfabric.reward.service import spec_from_reward_spec
+from rlfabric.reward.client import AsyncRewardClient
+from rlfabric.reward.spec import ItemResult, spec_from_reward_spec
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
-from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
+from rlfabric.v1 import queue_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,6 @@ redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
 return 1
 """
 
-STATUS = {
-    "ok": common_pb2.REWARD_STATUS_OK,
-    "scorer_error": common_pb2.REWARD_STATUS_SCORER_ERROR,
-    "timeout": common_pb2.REWARD_STATUS_TIMEOUT,
-}
-
 
 @dataclass
 class InFlight:
@@ -158,28 +152,6 @@ def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
     INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
     details = error.details() or ""
     return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
-
-
-def prompt_to_proto(prompt: str | list[dict[str, str]], chat_template: bool) -> common_pb2.Prompt:
-    if isinstance(prompt, list):
-        messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
-        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=messages))
-    if chat_template:
-        message = common_pb2.ChatMessage(role="user", content=prompt)
-        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=[message]))
-    return common_pb2.Prompt(text=prompt)
-
-
-def sampling_to_proto(spec: RunSpec, n: int | None = None) -> rollout_pb2.SamplingParams:
-    s = spec.rollout.sampling
-    return rollout_pb2.SamplingParams(
-        n=n or s.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=s.max_tokens,
-        stop=s.stop,
-    )
 
 
 class RunPipeline:
@@ -386,10 +358,10 @@ class RunPipeline:
             prompts=[
                 rollout_pb2.GeneratePrompt(
                     prompt_id=row.prompt_id,
-                    prompt=prompt_to_proto(row.prompt, self.spec.dataset.chat_template),
+                    prompt=wire.prompt_to_proto(row.prompt, chat_template=self.spec.dataset.chat_template),
                 )
             ],
-            sampling=sampling_to_proto(self.spec),
+            sampling=wire.sampling_to_proto(self.spec.rollout.sampling),
         )
         failed = True
         try:
@@ -475,32 +447,14 @@ class RunPipeline:
     def build_group(
         self, item: InFlight, samples: list[rollout_pb2.GeneratedSample], scores: list[ItemResult]
     ) -> queue_pb2.ScoredGroup:
-        version = samples[0].policy_version
-        return queue_pb2.ScoredGroup(
+        return wire.scored_group(
             run_id=self.run_id,
             prompt_id=item.prompt_id,
             group_id=item.group_id,
             epoch=item.epoch,
-            prompt_token_ids=samples[0].prompt_token_ids,
-            samples=[
-                queue_pb2.ScoredSample(
-                    sample_index=s.sample_index,
-                    token_ids=s.token_ids,
-                    logprobs=s.logprobs,
-                    text=s.text,
-                    finish_reason=s.finish_reason,
-                    policy_version=version,
-                    replica_id=s.replica_id,
-                    reward=common_pb2.Reward(
-                        value=r.reward, status=STATUS[r.status], components=r.components
-                    ),
-                )
-                for s, r in zip(samples, scores, strict=True)
-            ],
-            policy_version=version,
-            scorer_name=scores[0].scorer_name,
-            scorer_version=scores[0].scorer_version,
-            trace=telemetry.to_trace_context(),
+            samples=samples,
+            scores=scores,
+            trace=telemetry.trace_carrier(),
             enqueued_at=time.time(),
         )
 

@@ -33,7 +33,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.streams import (
     DATA_FIELD,
@@ -358,7 +358,7 @@ class GroupConsumer:
         if not data:
             return None, f"entry has no {DATA_FIELD.decode()!r} field", REASON_DECODE
         try:
-            return ScoredGroup.FromString(data), None, REASON_INVALID
+            return wire.decode_group(data), None, REASON_INVALID
         except DecodeError as exc:
             return None, f"not a ScoredGroup: {exc}", REASON_DECODE
 

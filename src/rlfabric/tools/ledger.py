@@ -48,12 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import CONSUMER_GROUP, DropReason
 from rlfabric.contracts.lineage import RestoreRecord
 from rlfabric.contracts.metrics import row_text
 from rlfabric.contracts.streams import parse_id
-from rlfabric.v1.queue_pb2 import ScoredGroup
 
 _CHECKPOINT = re.compile(r"^step-(\d{6,})$")
 TRAINED, IN_FLIGHT, ROLLED_BACK = "trained", "in_flight", "rolled_back:redispatched"
@@ -228,7 +227,7 @@ def _decode(data: bytes | str, raw: dict[Any, Any]) -> tuple[str, tuple[int, ...
     """(group id, versions) of an entry; the group_id field and no versions for a payload that is no group."""
     fallback = _text(raw.get(b"group_id", raw.get("group_id", "")))
     try:
-        group = ScoredGroup.FromString(data if isinstance(data, bytes) else data.encode("latin-1"))
+        group = wire.decode_group(data if isinstance(data, bytes) else data.encode("latin-1"))
     except Exception:  # tolerated: a poison payload is the dead-letter stream's business, not the ledger's
         return fallback, ()
     return group.group_id or fallback, (group.policy_version, *(s.policy_version for s in group.samples))

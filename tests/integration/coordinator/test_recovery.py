@@ -26,7 +26,7 @@ from rlfabric.coordinator.pipeline import REWARD_WARNING, InFlight, RunPipeline
 from rlfabric.coordinator.runs import RunStore
 from rlfabric.learner.queue import GroupConsumer
 from rlfabric.local.procs import ServiceProcess
-from rlfabric.reward.client import ItemResult
+from rlfabric.reward.spec import ItemResult
 from rlfabric.runspec import RunSpec
 from rlfabric.v1 import rollout_pb2
 

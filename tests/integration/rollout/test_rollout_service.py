@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import keys, wire
 from rlfabric.rollout.config import RolloutServiceConfig
 from rlfabric.rollout.main import Parts, assemble, load_initial_weights, start_server
 from rlfabric.runtime.config import load_config
@@ -340,7 +340,6 @@ async def test_registry_entry_appears_refreshes_and_expires(
 
 
 def broadcast_request(version: int, metas: list, port: int) -> rollout_pb2.UpdateWeightsRequest:
-    from rlfabric.weights import broadcast
 
     source = rollout_pb2.BroadcastSource(
         master_address="127.0.0.1",
@@ -348,7 +347,7 @@ def broadcast_request(version: int, metas: list, port: int) -> rollout_pb2.Updat
         rank=1,
         world_size=2,
         backend="gloo",
-        tensors=broadcast.metas_to_proto(metas),
+        tensors=wire.metas_to_proto(metas),
         bucket_bytes=1 << 20,
     )
     return rollout_pb2.UpdateWeightsRequest(version=version, broadcast=source, timeout_seconds=60)
