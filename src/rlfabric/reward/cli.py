@@ -3,9 +3,16 @@
 Input rows (JSONL) use the columns `id`, `prompt` (text or chat messages), `completion`, `reference`;
 every other column is passed to the scorer as metadata. Output rows are the input rows plus `reward`
 (null unless the status is ok), `status`, `message`, `components` and `scorer_version`, in input order.
-Scoring runs in-process (a worker pool of this machine's cores) or, with `--server`, on a running service,
-presenting its bearer token (`--token`, default $RLFABRIC_REWARD_TOKEN). A call the service refuses (no or
-a wrong token: UNAUTHENTICATED) ends the command with one line naming the status, exit status 1.
+A completion is a string or TRL's conversational form (one assistant message); `completion_ids` (the
+completion's token ids) are passed to user functions that need them. Scoring runs in-process (a worker pool
+of this machine's cores) or, with `--server`, on a running service, presenting its bearer token (`--token`,
+default $RLFABRIC_REWARD_TOKEN).
+
+Problems are one line on stderr, found before any scoring where they can be: an unknown scorer or bad
+parameters, a missing input file, an output that cannot be written, a malformed row (`file:line: ...`):
+exit status 2. A call the service refuses or fails (UNAUTHENTICATED, UNAVAILABLE, ...) names its status:
+exit status 1. When any item's scorer failed (status scorer_error or timeout) the output is still written
+and the exit status is 1, unless `--allow-failures`.
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     score.add_argument("--timeout", type=float, default=300.0, help="seconds per batch (default 300)")
     score.add_argument("--no-progress", action="store_true", help="no progress bar")
     score.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="exit status 0 even when some items failed to score (their rows carry the status)",
+    )
+    score.add_argument(
         "--allow-function",
         action="append",
         default=[],
@@ -81,13 +93,12 @@ def server_token(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
+    from rlfabric.reward.client import RewardServiceError
 
     try:
         return run_list(args) if args.verb == "list" else run_score(args)
-    except grpc.RpcError as err:
-        code, details = err.code(), err.details()  # type: ignore[attr-defined]
-        print(f"rlfabric reward: {args.server} answered {code.name}: {details}", file=sys.stderr)
+    except RewardServiceError as err:
+        print(f"rlfabric reward: {args.server} answered {err}", file=sys.stderr)
         return 1
 
 
@@ -103,16 +114,43 @@ def load_spec(text: str, params_json: str) -> Any:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
+    """The rows of a JSONL file, each checked as an item; ValueError "file:line: problem"."""
+    if not path.is_file():
+        raise ValueError(f"--input: no such file: {path}")
+    rows: list[dict[str, Any]] = []
     with path.open() as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or "completion" not in row:
-                raise ValueError(f"{path}:{number}: each row must be an object with a `completion`")
-            rows.append(row)
+            if line.strip():
+                rows.append(parse_row(line, f"{path}:{number}", len(rows)))
     return rows
+
+
+def parse_row(line: str, where: str, index: int) -> dict[str, Any]:
+    """One JSONL row, checked as an item (its completion, prompt, token ids)."""
+    from rlfabric.reward.client import BadItem, item_from_row
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: each row must be an object with a `completion`")
+    try:
+        item_from_row(row, index)
+    except BadItem as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return row
+
+
+def check_writable(path: Path) -> None:
+    """ValueError unless `path` can be written (checked before scoring, so no work is lost)."""
+    target = path if path.exists() else path.parent
+    if path.is_dir():
+        raise ValueError(f"--output: {path} is a directory")
+    if not target.is_dir() and not path.exists():
+        raise ValueError(f"--output: no such directory: {path.parent}")
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"--output: cannot write {path}: permission denied")
 
 
 def batches(rows: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -127,9 +165,10 @@ def run_score(args: argparse.Namespace) -> int:
 
     try:
         spec = load_spec(args.scorer, args.params)
+        check_writable(args.output)
         rows = read_rows(args.input)
     except (ValueError, InvalidScorerSpec) as exc:
-        print(f"rlfabric reward score: {exc}", file=sys.stderr)
+        print(f"rlfabric reward score: {one_line(exc)}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     with tqdm(total=len(rows), unit="item", disable=args.no_progress, file=sys.stderr) as bar:
@@ -144,7 +183,25 @@ def run_score(args: argparse.Namespace) -> int:
                 return 2
     write_rows(args.output, rows, results)
     print_summary(results, time.perf_counter() - start)
+    return exit_status(results, args.allow_failures)
+
+
+def exit_status(results: list[Any], allow_failures: bool) -> int:
+    """1 when an item failed to score (scorer_error, timeout) and failures are not allowed, else 0."""
+    failed = sum(r.status in ("scorer_error", "timeout") for r in results)
+    if failed and not allow_failures:
+        print(
+            f"rlfabric reward score: {failed} of {len(results)} items failed to score "
+            "(see `status` and `message` in the output; --allow-failures accepts them)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def one_line(exc: Exception) -> str:
+    """An error as one line (a pydantic error's lines joined)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 def score_remote(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]], bar: Any) -> list[Any]:
@@ -224,7 +281,8 @@ def print_summary(results: list[Any], seconds: float) -> None:
     print(
         f"scored {len(results)} items in {seconds:.2f}s ({len(results) / max(seconds, 1e-9):.0f} items/s): "
         f"mean reward {mean} over {len(rewards)} ok, "
-        f"{statuses['scorer_error']} scorer errors, {statuses['timeout']} timeouts"
+        f"{statuses['scorer_error']} scorer errors, {statuses['timeout']} timeouts, "
+        f"{statuses['not_applicable']} not applicable"
     )
 
 

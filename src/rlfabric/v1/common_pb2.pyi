@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -20,6 +21,7 @@ class RewardStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REWARD_STATUS_OK: _ClassVar[RewardStatus]
     REWARD_STATUS_SCORER_ERROR: _ClassVar[RewardStatus]
     REWARD_STATUS_TIMEOUT: _ClassVar[RewardStatus]
+    REWARD_STATUS_NOT_APPLICABLE: _ClassVar[RewardStatus]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -28,6 +30,7 @@ REWARD_STATUS_UNSPECIFIED: RewardStatus
 REWARD_STATUS_OK: RewardStatus
 REWARD_STATUS_SCORER_ERROR: RewardStatus
 REWARD_STATUS_TIMEOUT: RewardStatus
+REWARD_STATUS_NOT_APPLICABLE: RewardStatus
 
 class TraceContext(_message.Message):
     __slots__ = ("traceparent", "tracestate")
@@ -46,10 +49,12 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "template_kwargs")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    template_kwargs: _struct_pb2.Struct
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -7,10 +7,12 @@ import grpc
 from grpc.aio import AioRpcError, Metadata
 
 from rlfabric.coordinator.pipeline import REWARD_REFUSAL, REWARD_WARNING, reward_warning
+from rlfabric.reward.client import RewardServiceError
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> AioRpcError:
-    return AioRpcError(code, Metadata(), Metadata(), details=details)
+def rpc_error(code: grpc.StatusCode, details: str) -> RewardServiceError:
+    """A failed call as the reward client raises it."""
+    return RewardServiceError.from_rpc(AioRpcError(code, Metadata(), Metadata(), details=details))
 
 
 def test_a_refused_scorer_names_the_services_reason() -> None:

@@ -73,9 +73,9 @@ def test_function_without_kwargs_receives_only_named_columns(module_file, item):
     assert [r.reward for r in score(module_file, "only_named", [item("a", "a", extra=1)])] == [1.0]
 
 
-def test_none_is_a_per_item_error(module_file, item):
+def test_none_is_not_applicable_never_a_reward_nor_an_error(module_file, item):
     results = score(module_file, "some_none", [item("skip"), item("keep")])
-    assert results[0].status == "scorer_error" and math.isnan(results[0].reward)
+    assert results[0].status == "not_applicable" and math.isnan(results[0].reward)
     assert (results[1].status, results[1].reward) == ("ok", 1.0)
 
 
@@ -192,7 +192,7 @@ def test_an_exact_entry_allows_that_function_only(module_file, monkeypatch):
     with pytest.raises(InvalidScorerSpec, match="not in allowed_functions"):
         build("my_rewards:some_none", "my_rewards:length_reward")
     exact = build("os:getcwd", "os:getcwd")  # the operator's explicit choice, even from another module
-    assert exact._fn is os.getcwd
+    assert exact._fns == [os.getcwd]
 
 
 def test_composite_parts_obey_the_policy(module_file):
