@@ -76,8 +76,11 @@ class Engine(abc.ABC):
         """Token ids of raw text, without special tokens or a template."""
 
     @abc.abstractmethod
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation in the model's chat template, ending with the generation prompt."""
+    def tokenize_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation in the model's chat template (given the template's extra
+        variables `template_kwargs`, e.g. {"enable_thinking": False}), ending with the generation prompt."""
 
     @abc.abstractmethod
     def generate(
@@ -121,8 +124,14 @@ class ChatTokenizer:
     def text(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """The conversation rendered with the chat template (`template_kwargs` are the template's extra
+        variables) and the generation prompt, then tokenised as text."""
+        rendered = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
         return self.text(str(rendered))
 
     def decode(self, token_ids: list[int]) -> str:

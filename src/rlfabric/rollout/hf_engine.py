@@ -101,8 +101,10 @@ class HfEngine(Engine):
     def tokenize_text(self, text: str) -> list[int]:
         return self._tokenizer.text(text)
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._tokenizer.chat(messages)
+    def tokenize_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        return self._tokenizer.chat(messages, template_kwargs)
 
     async def generate(
         self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
