@@ -1,5 +1,5 @@
 """Path confinement: a spec's dataset and model paths must resolve into their roots (`..` and symlinks
-followed); hub ids pass for models; the verdict never depends on whether the file exists."""
+followed); hub ids pass for models and datasets; the verdict never depends on whether the file exists."""
 
 from __future__ import annotations
 
@@ -57,15 +57,15 @@ def test_relative_paths_and_roots_are_taken_from_the_working_directory(
     assert not within("data/a\0.jsonl", local.data)
 
 
-def test_hub_ids_pass_for_models_only(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_ids_pass_for_models_and_datasets(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tree / "outside")  # the working directory is in no root
     r = roots(tree)
     assert is_hub_id("Qwen/Qwen2.5-0.5B-Instruct") and allowed("Qwen/Qwen2.5-0.5B-Instruct", "model", r)
-    assert not allowed("Qwen/Qwen2.5-0.5B-Instruct", "data", r)
+    assert allowed("openai/gsm8k", "data", r)
     not_hubs = ("/etc/passwd", "./org/name", "../org/name", "org/../name", "org/.hidden", "a/b/c", "tiny")
     for not_hub in not_hubs:
         assert not is_hub_id(not_hub), not_hub
-        assert not allowed(not_hub, "model", r), not_hub
+        assert not allowed(not_hub, "model", r) and not allowed(not_hub, "data", r), not_hub
     (tree / "outside" / "org").symlink_to(tree / "outside")
     assert not is_hub_id("org/secret.json")  # a local symlink would be loaded instead of the hub
 

@@ -6,9 +6,10 @@ symlinks count. Relative paths and roots are taken from the process's working di
 services open them. The check never asks whether the file exists: a refusal says only that the path
 is outside the roots, so it cannot be used to probe the file system.
 
-A model may also be a hub id (`org/name`, nothing before the org, no `..`): transformers and vLLM
-load it from the hub cache. A local folder of that name would be loaded instead, so a hub id whose
-resolved path differs from its plain absolute path (a symlink on the way) must lie in the roots too.
+A model or a dataset may also be a hub id (`org/name`, nothing before the org, no `..`): transformers,
+vLLM and `datasets` load it from the hub (cache). A local folder of that name would be loaded instead,
+so a hub id whose resolved path differs from its plain absolute path (a symlink on the way) must lie in
+the roots too.
 """
 
 from __future__ import annotations
@@ -79,10 +80,9 @@ def is_hub_id(path: str) -> bool:
 
 
 def allowed(path: str, kind: PathKind, roots: Roots) -> bool:
-    """True when a spec may name `path` as a `kind`: within its roots, or a hub id for a model."""
-    if within(path, roots.for_kind(kind)):
-        return True
-    return kind == "model" and is_hub_id(path)
+    """True when a spec may name `path` as a `kind`: within its roots, or a hub id (a model, or a
+    dataset loaded with `datasets.load_dataset`)."""
+    return within(path, roots.for_kind(kind)) or is_hub_id(path)
 
 
 def violations(spec: RunSpec, roots: Roots) -> list[PathViolation]:
