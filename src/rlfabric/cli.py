@@ -131,6 +131,12 @@ def add_config_commands(sub: Any) -> None:
     check = verbs.add_parser("check", help="validate a run file (or a service config with --service)")
     check.add_argument("file")
     check.add_argument("--service", choices=sorted(SERVICES), help="validate as this service's config")
+    check.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="a run file: check its schema only, not whether it can run here (its scorer, paths, model "
+        "files and dataset columns); for a run file meant for another machine",
+    )
     schema = verbs.add_parser("schema", help="print the JSON schema of a run file or a service config")
     schema.add_argument("target", choices=["run", *sorted(SERVICES)])
 
@@ -214,8 +220,28 @@ def run_config(args: argparse.Namespace) -> int:
         print(json.dumps(model.model_json_schema(), indent=2))
         return 0
     model = SERVICES[args.service].config_model() if args.service else RunSpec
-    validate(model, read_file(args.file), args.file)
+    config = validate(model, read_file(args.file), args.file)
+    if isinstance(config, RunSpec) and not args.schema_only:
+        return check_run_file(args.file, config)
     print(f"{args.file}: valid {model.__name__}")
+    return 0
+
+
+def check_run_file(path: str, spec: Any) -> int:
+    """`config check RUN_FILE` past the schema: can the run run here (`rlfabric.validate`, the scorer built
+    in-process)? Prints each issue naming its field; 2 when there is any."""
+    from rlfabric.validate import check_local
+
+    report = check_local(spec, path)
+    for line in report.skipped:
+        print(f"{path}: not checked: {line}")
+    for line in report.notes:
+        print(f"{path}: note: {line}")
+    for issue in report.issues:
+        print(f"{path}: {issue}", file=sys.stderr)
+    if report.issues:
+        return 2
+    print(f"{path}: valid RunSpec")
     return 0
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rlfabric.runtime.config import StrictModel
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+ADVANTAGE_ALIASES = {"ppo": "gae"}
+"""Other names users know an estimator by: PPO is GAE with a critic (`algorithm.advantage = "gae"`)."""
 
 MAX_TOKENS = 1 << 20
 """Upper bound of every length in tokens (context, completion, buffers, top-k): about a million."""
@@ -187,7 +189,7 @@ class AlgorithmSpec(SpecModel):
     """Advantage estimator and loss."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
-    """Estimator; gae trains a critic (PPO)."""
+    """Estimator; gae trains a critic (PPO; "ppo" is accepted as its name, see `ADVANTAGE_ALIASES`)."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
         "token_mean"
     )
@@ -236,6 +238,12 @@ class AlgorithmSpec(SpecModel):
     value_clip: float | None = Field(default=0.2, gt=0.0)
     """The critic's new values may move at most this far from the old ones in the value loss (PPO2's
     value clipping, on the raw return scale); None disables it (gae only)."""
+
+    @field_validator("advantage", mode="before")
+    @classmethod
+    def _alias(cls, value: Any) -> Any:
+        """An alias (`ADVANTAGE_ALIASES`) becomes the estimator's registered name."""
+        return ADVANTAGE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _masks_have_bounds(self) -> AlgorithmSpec:

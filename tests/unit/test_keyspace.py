@@ -84,6 +84,7 @@ def test_stored_keys_never_change() -> None:
         "stale_ids": "rlfabric:{run}:groups:stale_ids",
         "trimmed": "rlfabric:{run}:groups:trimmed",
         "step": "rlfabric:{run}:step",
+        "learner_done": "rlfabric:{run}:learner_done",
         "version": "rlfabric:{run}:version",
         "versions": "rlfabric:{run}:versions",
         "lineage": "rlfabric:{run}:lineage",

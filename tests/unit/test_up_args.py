@@ -115,9 +115,11 @@ def spec_naming(function: str) -> RunSpec:
     return RunSpec.model_validate({"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}, "reward": reward})
 
 
-def test_a_used_run_directory_needs_resume(tmp_path: Path) -> None:
-    run_file = tmp_path / "run.yaml"
-    run_file.write_text(yaml.safe_dump({"name": "r", "model": {"path": "m"}, "dataset": {"path": "d.jsonl"}}))
+def test_a_used_run_directory_needs_resume(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_file, data = tmp_path / "run.yaml", tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "p", "answer": "a"}\n')
+    run = {"name": "r", "model": {"path": str(tiny_model_dir)}, "dataset": {"path": str(data)}}
+    run_file.write_text(yaml.safe_dump(run))
     first = up.plan(
         parse(str(run_file), "--run-dir", str(tmp_path / "d"), "--steps", "7", "--engine", "transformers")
     )
@@ -131,6 +133,19 @@ def test_a_used_run_directory_needs_resume(tmp_path: Path) -> None:
     assert resumed.args.engine == "transformers" and resumed.args.no_progress
     with pytest.raises(ValueError, match=r"holds no up\.json"):
         up.plan(parse("--resume", str(tmp_path)))
+
+
+def test_a_run_that_cannot_run_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_file = tmp_path / "run.yaml"
+    run = {"model": {"path": str(tmp_path / "m")}, "dataset": {"path": str(tmp_path / "d.jsonl")}}
+    run_file.write_text(yaml.safe_dump({**run, "reward": {"scorer": "exact_matc"}}))
+    assert up.run(parse(str(run_file), "--run-dir", str(tmp_path / "d"))) == 2
+    err = capsys.readouterr().err
+    for field in ("reward.scorer", "model.path", "dataset.path"):
+        assert f"{field}: " in err
+    assert not (tmp_path / "d" / up.STATE_FILE).exists()
 
 
 RESTARTED = [

@@ -214,6 +214,13 @@ def step(run_id: str) -> str:
     return _run(run_id, "step")
 
 
+@_key("string", writers="learner (offline preference runs)", readers="coordinator (the run's end)")
+def learner_done(run_id: str) -> str:
+    """The step at which the learner finished the run on its own (its dataset ran out before the step
+    budget); the coordinator then completes the run."""
+    return _run(run_id, "learner_done")
+
+
 @_key("string", writers="learner", readers="rollout replicas, coordinator (admission version), ledger")
 def version(run_id: str) -> str:
     """The newest policy version the learner published (replicas load it from the object store)."""

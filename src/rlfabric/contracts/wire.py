@@ -32,6 +32,7 @@ from rlfabric.reward.spec import (
     ScoredBatch,
     ScoreInput,
     ScorerInfo,
+    ScorerProblem,
     ScorerSpec,
     ScoreStatus,
     composite_part,
@@ -178,6 +179,18 @@ def part_from_proto(index: int, part: reward_pb2.WeightedScorer) -> dict[str, An
     if not part.scorer.name:
         raise InvalidArgument(f"scorer.composite.parts[{index}].scorer.name: a scorer name is required")
     return composite_part(part.scorer.name, struct_from_proto(part.scorer.params), part.weight, part.alias)
+
+
+def scorer_problems_to_proto(problems: Iterable[ScorerProblem]) -> reward_pb2.CheckScorerResponse:
+    """CheckScorer's answer: the spec's problems (none: valid)."""
+    return reward_pb2.CheckScorerResponse(
+        problems=[reward_pb2.ScorerProblem(field=p.field, reason=p.reason) for p in problems]
+    )
+
+
+def scorer_problems_from_proto(response: reward_pb2.CheckScorerResponse) -> list[ScorerProblem]:
+    """The problems of a CheckScorer answer, in its order."""
+    return [ScorerProblem(p.field, p.reason) for p in response.problems]
 
 
 def scorer_description_to_proto(info: ScorerInfo) -> reward_pb2.ScorerDescription:

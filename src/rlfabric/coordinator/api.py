@@ -8,9 +8,11 @@ Content-Length or streamed. The app only records runs; the pipeline manager hook
 
 Inputs are bounded and confined: the run spec's types are strict and its integers bounded (see
 `runspec.SpecModel`); its dataset and model paths must lie in the configured `data_roots` /
-`model_roots` (422 naming the field, never saying whether the file exists); run ids and `since` stream
-ids are checked before Redis sees them. Every route's possible answers are in the OpenAPI document
-(`ROUTE_ERRORS`), each error with its body model.
+`model_roots` (422 naming the field, never saying whether the file exists); within them, a run that
+cannot run (unknown scorer or parameters, missing paths, model files that do not load, missing dataset
+columns: `rlfabric.validate`) is refused with 422 naming the field, when the app is given a check. Run
+ids and `since` stream ids are checked before Redis sees them. Every route's possible answers are in the
+OpenAPI document (`ROUTE_ERRORS`), each error with its body model.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfabric.coordinator.config import CoordinatorServiceConfig
-from rlfabric.coordinator.health import HEALTH_ROWS, run_health
+from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, run_health
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.page import render_run_page
 from rlfabric.coordinator.runs import (
@@ -46,8 +48,11 @@ from rlfabric.coordinator.runs import (
 from rlfabric.runspec import RUN_NAME_PATTERN, RunSpec
 from rlfabric.runtime.metrics import metrics_response
 from rlfabric.runtime.paths import Roots, violations
+from rlfabric.validate import CheckReport
 
 RunHook = Callable[[RunRecord], Awaitable[None]]
+SpecCheck = Callable[[RunSpec], Awaitable[CheckReport]]
+"""Checks a submitted spec against the world (`checks.SubmitCheck`); its issues refuse the run (422)."""
 
 _REQUESTS = Counter("rlfabric_coordinator_api_runs_total", "Run API actions", ["action"])
 
@@ -266,18 +271,33 @@ def confine(spec: RunSpec, roots: Roots) -> None:
         raise RequestValidationError(errors)
 
 
+def refuse_issues(report: CheckReport) -> None:
+    """RequestValidationError (422) naming the field of each issue the run check found."""
+    errors = [{"loc": ("body", *i.loc), "msg": i.message, "type": i.kind} for i in report.issues]
+    if errors:
+        raise RequestValidationError(errors)
+
+
 def run_routes(
-    token: str | None, roots: Roots, on_submit: RunHook | None, on_stop: RunHook | None
+    token: str | None,
+    roots: Roots,
+    on_submit: RunHook | None,
+    on_stop: RunHook | None,
+    check: SpecCheck | None = None,
+    learner_stall_s: float = LEARNER_STALL_S,
 ) -> APIRouter:
-    """The /v1 routes; specs may name paths only within `roots`."""
+    """The /v1 routes; specs may name paths only within `roots`, and must pass `check` when given."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))], tags=["runs"])
 
     @router.post(
         "/runs", status_code=status.HTTP_201_CREATED, response_model=RunRecord, responses=responses("submit")
     )
     async def submit(spec: RunSpec, store: Store, response: Response) -> RunRecord:
-        """Accept a run spec; 409 if a run of that name exists, 422 if it names a path outside the roots."""
+        """Accept a run spec; 409 if a run of that name exists, 422 if it names a path outside the roots
+        or fails the run check (each issue naming its field)."""
         confine(spec, roots)
+        if check is not None:
+            refuse_issues(await check(spec))
         record = await store.create(spec)
         _REQUESTS.labels("submit").inc()
         response.headers["Location"] = f"/v1/runs/{record.run_id}"
@@ -298,7 +318,7 @@ def run_routes(
     @router.get("/runs/{run_id}", response_model=RunStatus, responses=responses("get_run"))
     async def get_run(run_id: RunId, store: Store) -> RunStatus:
         """State, progress, counters, the latest metrics row and warnings of one run."""
-        return await run_status(store, run_id)
+        return await run_status(store, run_id, learner_stall_s)
 
     @router.get("/runs/{run_id}/metrics", response_model=MetricsPage, responses=responses("get_metrics"))
     async def get_metrics(
@@ -352,12 +372,12 @@ def _summary(record: RunRecord) -> RunSummary:
     )
 
 
-async def run_status(store: RunStore, run_id: str) -> RunStatus:
+async def run_status(store: RunStore, run_id: str, learner_stall_s: float = LEARNER_STALL_S) -> RunStatus:
     """The body of `GET /v1/runs/{id}` (health warnings by the run's own `health` thresholds)."""
     record = await store.get(run_id)
     rows = await store.recent_metrics(run_id, HEALTH_ROWS)
     health = run_health(rows, record.spec.health, max_tokens=record.spec.rollout.sampling.max_tokens)
-    health += await liveness_warnings(store, record)
+    health += await liveness_warnings(store, record, learner_stall_s)
     warnings = record.warnings + [w for w in health if w not in record.warnings]
     return RunStatus(
         **record.model_dump(exclude={"warnings"}),
@@ -430,9 +450,10 @@ def create_app(
     *,
     on_submit: RunHook | None = None,
     on_stop: RunHook | None = None,
+    check: SpecCheck | None = None,
 ) -> FastAPI:
     """The coordinator's FastAPI app over `redis` (or a client for `config.redis.url`, owned and closed
-    by the app's lifespan)."""
+    by the app's lifespan); `check` (e.g. `checks.SubmitCheck`) refuses runs that cannot run."""
     owned = redis is None
     client = redis or Redis.from_url(config.redis.url, socket_timeout=config.redis.socket_timeout_s)
 
@@ -445,7 +466,8 @@ def create_app(
     app = FastAPI(title="rlfabric coordinator", version="1", lifespan=lifespan)
     app.state.store = RunStore(client)
     roots = Roots.of(config.data_roots, config.model_roots)
-    app.include_router(run_routes(config.api.token, roots, on_submit, on_stop))
+    stall_s = config.checks.learner_stall_s
+    app.include_router(run_routes(config.api.token, roots, on_submit, on_stop, check, stall_s))
     app.include_router(public_routes())
     _error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)

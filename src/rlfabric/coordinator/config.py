@@ -35,6 +35,22 @@ class ScalingConfig(StrictModel):
     """How often the signal is recomputed and exported."""
 
 
+class ChecksConfig(StrictModel):
+    """Checks of submitted runs (before they are accepted) and of running ones (while they wait)."""
+
+    on_submit: bool = True
+    """Refuse a run (422 naming the field) whose scorer, paths, model files or dataset columns are wrong
+    (`rlfabric.validate`); the scorer is checked by the reward service."""
+    interval_s: float = Field(default=5.0, gt=0.0)
+    """How often each running run's liveness is looked at (no replica, no learner, no reward service, a
+    model that does not load); a warning that appears is logged and shown in the run status."""
+    learner_stall_s: float = Field(default=25.0, gt=0.0)
+    """Seconds a running run may go without any learner reading its stream (or, for an offline run,
+    without a learner step) before it warns that no learner consumes it."""
+    reward_timeout_s: float = Field(default=5.0, gt=0.0)
+    """Deadline of each call made to check the reward service (CheckScorer on submit, the liveness probe)."""
+
+
 class CoordinatorServiceConfig(StrictModel):
     """The coordinator: REST API, prompt source and the generate -> score -> enqueue pipeline."""
 
@@ -64,6 +80,8 @@ class CoordinatorServiceConfig(StrictModel):
     model_roots: list[str] = Field(default_factory=lambda: ["."])
     """Folders a run's `model.path`, `model.reference_path` and `model.critic_path` must lie in, as for
     `data_roots`; hub ids (`org/name`) are allowed as well."""
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    """Checks of runs before they are accepted and while they run."""
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
     insecure: bool = False

@@ -18,8 +18,11 @@ from Redis when a run's status is read, so they warn within `LEARNER_STALL_S` pl
 
 - the learner stopped consuming: groups wait in the stream, yet no step came and no learner read the
   stream for `LEARNER_STALL_S` (a dead or hung learner);
+- no learner consumes: nothing waits, yet no learner read the stream (or, offline, stepped) for as long;
 - no replica serves: no rollout replica of the run is registered (each one's entry expires three missed
-  heartbeats after it stops).
+  heartbeats after it stops; a replica registers only once its model loaded).
+
+`checks.py` probes what is not in Redis (the reward service answers, the model loads).
 """
 
 from __future__ import annotations
@@ -213,14 +216,18 @@ def last_good_checkpoint(rows: Sequence[Row], since_step: int, keep: int) -> int
 
 
 def check_learner_stalled(
-    waiting_groups: int, since_step_s: float | None, learner_idle_s: float | None, run_age_s: float
+    waiting_groups: int,
+    since_step_s: float | None,
+    learner_idle_s: float | None,
+    run_age_s: float,
+    stall_s: float = LEARNER_STALL_S,
 ) -> str | None:
     """The learner stopped consuming: `waiting_groups` > 0 groups wait in the stream, the last step is
     `since_step_s` old (None: no step yet, the run's age counts) and the learner's last read of the stream
-    `learner_idle_s` (None: no learner ever read it), both at least `LEARNER_STALL_S`."""
+    `learner_idle_s` (None: no learner ever read it), both at least `stall_s`."""
     quiet_s = run_age_s if since_step_s is None else since_step_s
     idle_s = run_age_s if learner_idle_s is None else learner_idle_s
-    if waiting_groups <= 0 or min(quiet_s, idle_s) < LEARNER_STALL_S:
+    if waiting_groups <= 0 or min(quiet_s, idle_s) < stall_s:
         return None
     step = "no learner step yet" if since_step_s is None else f"no learner step for {since_step_s:.0f} s"
     return (
@@ -229,8 +236,33 @@ def check_learner_stalled(
     )
 
 
-def check_no_replica(registered: int) -> str | None:
+def check_no_learner(
+    since_step_s: float | None,
+    learner_idle_s: float | None,
+    run_age_s: float,
+    stall_s: float = LEARNER_STALL_S,
+) -> str | None:
+    """No learner consumes the run while nothing waits for it: no step for `stall_s` (None: no step yet,
+    the run's age counts) and no read of the stream for as long (None: no learner ever read it; an
+    offline run's learner reads none, so only its steps count). A waiting learner reads every second."""
+    quiet_s = run_age_s if since_step_s is None else since_step_s
+    idle_s = run_age_s if learner_idle_s is None else learner_idle_s
+    if min(quiet_s, idle_s) < stall_s:
+        return None
+    if learner_idle_s is None:
+        return (
+            f"no learner consumes the run: none has read its stream or reported a step in {idle_s:.0f} s "
+            "(is the learner running, and does it load the model?)"
+        )
+    return f"no learner consumes the run: no read of its stream for {idle_s:.0f} s (is the learner running?)"
+
+
+def check_no_replica(registered: int, model: str = "") -> str | None:
     """No rollout replica is registered for the run, so nothing generates."""
     if registered > 0:
         return None
-    return "no rollout replica serves the run: none is registered (none sent a heartbeat lately)"
+    serving = f" of model {model!r}" if model else ""
+    return (
+        f"no rollout replica serves the run: none is registered (none sent a heartbeat lately; is a "
+        f"replica{serving} running, and does it load the model?)"
+    )

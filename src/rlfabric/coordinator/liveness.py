@@ -1,7 +1,8 @@
 """The inputs of the liveness checks in `health.py`, read from Redis when a run's status is read.
 
 A running run warns when its learner stopped consuming (groups wait in the stream, no step and no read of
-the stream for `health.LEARNER_STALL_S`) or when no replica is registered. Nothing here is stored: the
+the stream for the stall time, `checks.learner_stall_s`), when no learner consumes at all (nothing waits
+and no learner read or stepped for as long), or when no replica is registered. Nothing here is stored: the
 warnings hold exactly while the condition does, and a run that is not running has none.
 """
 
@@ -14,7 +15,12 @@ from rlfabric.contracts import keys
 from rlfabric.contracts.keys import CONSUMER_GROUP
 from rlfabric.contracts.registry import discover
 from rlfabric.contracts.streams import as_str, group_info, undelivered
-from rlfabric.coordinator.health import check_learner_stalled, check_no_replica
+from rlfabric.coordinator.health import (
+    LEARNER_STALL_S,
+    check_learner_stalled,
+    check_no_learner,
+    check_no_replica,
+)
 from rlfabric.coordinator.runs import RunRecord, RunState, RunStore
 
 WAITING_CAP = 10_000
@@ -51,16 +57,22 @@ async def since_step_s(store: RunStore, run_id: str, now: float) -> float | None
     return now - int(rows[-1]["_id"].split("-")[0]) / 1000 if rows else None
 
 
-async def liveness_warnings(store: RunStore, record: RunRecord) -> list[str]:
-    """The liveness warnings of a running run (none for a run in any other state)."""
+async def liveness_warnings(
+    store: RunStore, record: RunRecord, stall_s: float = LEARNER_STALL_S
+) -> list[str]:
+    """The liveness warnings of a running run (none for a run in any other state). An offline run needs
+    no replica and reads no stream: only its learner's steps count."""
     if record.state != RunState.RUNNING:
         return []
     redis, run_id, now = store.redis, record.run_id, time.time()
-    stalled = check_learner_stalled(
-        await waiting_groups(redis, run_id),
-        await since_step_s(store, run_id, now),
-        await learner_idle_s(redis, run_id),
-        now - record.created_at.timestamp(),
+    age_s, step_s = now - record.created_at.timestamp(), await since_step_s(store, run_id, now)
+    if record.spec.mode != "online":
+        return [w for w in (check_no_learner(step_s, step_s, age_s, stall_s),) if w]
+    waiting, idle_s = await waiting_groups(redis, run_id), await learner_idle_s(redis, run_id)
+    learner = (
+        check_learner_stalled(waiting, step_s, idle_s, age_s, stall_s)
+        if waiting > 0
+        else check_no_learner(step_s, idle_s, age_s, stall_s)
     )
-    lonely = check_no_replica(len(await discover(redis, run_id)))
-    return [w for w in (stalled, lonely) if w]
+    lonely = check_no_replica(len(await discover(redis, run_id)), record.spec.model.path)
+    return [w for w in (learner, lonely) if w]

@@ -36,11 +36,13 @@ async def run(config: CoordinatorServiceConfig) -> None:
     import uvicorn
 
     from rlfabric.coordinator.api import create_app
+    from rlfabric.coordinator.checks import SubmitCheck
     from rlfabric.coordinator.manager import RunManager
 
     redis = config.redis.connect()
     manager = RunManager(config, redis)
-    app = create_app(config, redis, on_submit=manager.on_submit, on_stop=manager.on_stop)
+    check = SubmitCheck(config) if config.checks.on_submit else None
+    app = create_app(config, redis, on_submit=manager.on_submit, on_stop=manager.on_stop, check=check)
     sock = bind(config.api.host, config.api.port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     await manager.resume()

@@ -4,8 +4,11 @@ A submitted run becomes `running` and gets a `RunPipeline` task. The pipeline's 
 `completed` when the learner reached its step budget (or every prompt was trained), `stopped` after a stop
 request, `failed` with the reason when the dataset cannot be used or the pipeline crashes. In every final
 state the learner is told to finish (`keys.stop_requested`), so `rlfabric up` can shut down.
+An offline preference run has no pipeline: the coordinator waits for its learner (`offline.py`).
 A progress task mirrors the learner's latest step and version into the run record; for a run with
-`health.auto_stop` checks, a health task stops the run when one triggers (keeping the last good checkpoint).
+`health.auto_stop` checks, a health task stops the run when one triggers (keeping the last good checkpoint);
+a liveness task logs each warning of a run that waits (no replica, no learner, no reward service, a model
+that does not load) when it appears, within `checks.interval_s`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from typing import Any
 
 from rlfabric.contracts import keys
 from rlfabric.contracts.keys import StopReason
+from rlfabric.coordinator.checks import model_warning, reward_warning
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.dataset import DatasetError
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
+from rlfabric.coordinator.liveness import liveness_warnings
+from rlfabric.coordinator.offline import watch_offline
 from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunState, RunStore
 from rlfabric.runtime.aio import cancel_point
@@ -34,6 +40,8 @@ class RunManager:
         self.config, self.redis = config, redis
         self.store = RunStore(redis)
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.logged: dict[str, set[str]] = {}
+        """Each run's liveness warnings at the last look (a warning is logged when it appears)."""
 
     async def resume(self) -> None:
         """Picks up the runs a previous coordinator left pending or running."""
@@ -56,6 +64,7 @@ class RunManager:
         helpers = [
             loop.create_task(self.mirror_progress(run_id)),
             loop.create_task(self.watch_health(record)),
+            loop.create_task(self.watch_liveness(record)),
         ]
         try:
             state, error = await self.run_pipeline(record), None
@@ -68,6 +77,7 @@ class RunManager:
             for helper in helpers:
                 helper.cancel()
             self.tasks.pop(run_id, None)
+            self.logged.pop(run_id, None)
         # nx: a health stop already told the learner "health" (stop at once, no further checkpoint)
         await self.redis.set(keys.stop_requested(run_id), StopReason(state).value, nx=True)
         await self.sync_progress(run_id)
@@ -78,6 +88,10 @@ class RunManager:
         log.info("run %s %s", run_id, state)
 
     async def run_pipeline(self, record: RunRecord) -> RunState:
+        """The online pipeline, or for an offline run the wait for its learner (nothing to dispatch)."""
+        stop = lambda: self.store.stop_requested(record.run_id)  # noqa: E731
+        if record.spec.mode == "offline_preference":
+            return await watch_offline(self.redis, record.run_id, record.spec, stop)
         pipeline = RunPipeline(
             record.run_id,
             record.spec,
@@ -87,7 +101,7 @@ class RunManager:
             self.config.scaling,
             reward_token=self.config.reward_token,
         )
-        return await pipeline.run(lambda: self.store.stop_requested(record.run_id))
+        return await pipeline.run(stop)
 
     async def mirror_progress(self, run_id: str) -> None:
         while True:
@@ -133,6 +147,38 @@ class RunManager:
         log.warning("run %s stopped by its health check %s; last good checkpoint: step %s",
                     run_id, warning.check, good)  # fmt: skip
         return True
+
+    async def watch_liveness(self, record: RunRecord) -> None:
+        """Every `checks.interval_s`: the run's liveness warnings (`liveness.py`, and the probes of
+        `checks.py`: the reward service answers, the model loads, the latter looked at once), each logged
+        when it appears; the probes' warnings are kept in the run record while they hold."""
+        model = await model_warning(record.spec)
+        shown: set[str] = set()
+        while True:
+            cancel_point()
+            try:
+                probes = {w for w in (await reward_warning(self.config, record.spec), model) if w}
+                await self.show_probes(record.run_id, shown, probes)
+                shown = probes
+                await self.log_new_warnings(record.run_id, probes)
+            except Exception:  # tolerated: Redis restarting; the next interval looks again
+                log.warning("liveness check of %s failed", record.run_id, exc_info=True)
+            await asyncio.sleep(self.config.checks.interval_s)
+
+    async def show_probes(self, run_id: str, shown: set[str], probes: set[str]) -> None:
+        """Keeps the probes' warnings in the run record: `shown` before, `probes` now."""
+        for gone in shown - probes:
+            await self.store.remove_warning(run_id, gone)
+        for new in probes - shown:
+            await self.store.add_warning(run_id, new)
+
+    async def log_new_warnings(self, run_id: str, probes: set[str]) -> None:
+        """Logs each liveness warning that was not showing at the previous look."""
+        record, stall_s = await self.store.get(run_id), self.config.checks.learner_stall_s
+        now = set(await liveness_warnings(self.store, record, stall_s)) | probes
+        for warning in sorted(now - self.logged.get(run_id, set())):
+            log.warning("run %s: %s", run_id, warning)
+        self.logged[run_id] = now
 
     async def close(self) -> None:
         for task in list(self.tasks.values()):

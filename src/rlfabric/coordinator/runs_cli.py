@@ -109,7 +109,7 @@ def list_runs(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def status(client: httpx.Client, args: argparse.Namespace) -> int:
-    """Prints one run's state, progress, counters, latest metrics and warnings (or JSON)."""
+    """Prints one run's state, progress, warnings, counters, scaling signal and latest metrics (or JSON)."""
     body = _call(client, "GET", f"/v1/runs/{args.run_id}")
     if args.json:
         print(json.dumps(body, indent=2))
@@ -123,10 +123,22 @@ def status(client: httpx.Client, args: argparse.Namespace) -> int:
         print(f"warning: {warning}")
     counters = ", ".join(f"{k}={v}" for k, v in body.get("counters", {}).items())
     print(f"counters: {counters}")
+    print(scaling_text(body.get("scaling")))
     latest = {k: v for k, v in (body.get("latest_metrics") or {}).items() if not k.startswith("_")}
     if latest:
         print("latest metrics: " + json.dumps(latest))
     return 0
+
+
+def scaling_text(scaling: dict[str, float] | None) -> str:
+    """The autoscaling block of the status text: replicas, how busy they are, what waits, and how many
+    replicas the run asks for."""
+    if not scaling:
+        return "scaling: no signal yet (the run has not dispatched to a replica)"
+    ints = ("replicas", "in_flight_groups", "backlog_groups", "desired_replicas")
+    parts = [f"{k}={int(scaling[k])}" for k in ints if k in scaling]
+    parts += [f"{k}={scaling[k]:.2f}" for k in ("busy_fraction", "run_busy_fraction") if k in scaling]
+    return "scaling: " + ", ".join(parts)
 
 
 def stop(client: httpx.Client, args: argparse.Namespace) -> int:

@@ -38,6 +38,11 @@ class LearnerServiceConfig(StrictModel):
     token: str | None = Field(default=None, min_length=1)
     """Bearer token required on LearnerService.GetStatus; set it from RLFABRIC_LEARNER__TOKEN. The process
     refuses to start without it unless `insecure` (offline preference mode serves no API and needs none)."""
+    report_to_redis: bool = False
+    """Offline preference runs only: report through Redis as the online learner does (each step's metrics
+    row, `keys.step` and `keys.version`, the end of the data in `keys.learner_done`) and stop when the
+    coordinator asks, so a run submitted to a coordinator shows and ends the same way. `rlfabric up` sets
+    it; an offline run on its own (no coordinator) leaves it off and needs no Redis."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve learner --insecure`): `token` is no longer required at
     start (when set it is still enforced) and a WARNING is logged. For tests and loopback only."""

@@ -1,7 +1,9 @@
 """The offline preference run (`run.mode = "offline_preference"`): DPO or IPO on a fixed JSONL dataset.
 
-No rollout, reward service or Redis is involved; checkpoints and published weights are the online
-learner's, so replicas and evaluation read the result the same way.
+No rollout or reward service is involved; checkpoints and published weights are the online learner's, so
+replicas and evaluation read the result the same way. Redis only with `report_to_redis` (a run submitted
+to a coordinator, as `rlfabric up` does): rank 0 then also reports each step there (`RedisReports`), stops
+when the coordinator asks, and says when the data ran out.
 
     load     every rank reads and tokenises the dataset itself (deterministic: nothing to broadcast),
              and lays out the training order: `dataset.epochs` passes, pass e shuffled with
@@ -29,6 +31,7 @@ ends with the tokenizer's EOS token. `dataset.held_out_fraction` and `eval_every
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -44,6 +47,8 @@ from typing import Any
 
 import torch
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.metrics import append_row
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, all_reduce_max, destroy_distributed, init_distributed
@@ -60,6 +65,8 @@ CURSOR_KEY = "cursor"
 CONSUMED_KEY = "consumed"
 """Checkpoint `extra` key: JSON list of the consumed pair ids, in order (for audits)."""
 KEEP_CHECKPOINTS = 2
+READY_LINE = "rlfabric offline learner started"
+"""Printed when `serve_offline` starts (the offline learner's ready line)."""
 
 # -- dataset --------------------------------------------------------------------------------------------
 
@@ -145,6 +152,39 @@ class OfflineState:
         return cls(int(extra[CURSOR_KEY]), json.loads(extra[CONSUMED_KEY]))
 
 
+class RedisReports:
+    """Rank 0's reports of an offline run to the coordinator, through the run's Redis keys as the online
+    learner writes them (`contracts.metrics.append_row`, `keys.step`, `keys.version`), on an event loop
+    of its own (the offline run is synchronous)."""
+
+    def __init__(self, config: LearnerServiceConfig) -> None:
+        self.run_id = config.run_id
+        self.loop = asyncio.new_event_loop()
+        self.redis = config.redis.connect()
+
+    def step(self, row: dict[str, Any]) -> None:
+        """The step's metrics row, then the step and version it reached."""
+
+        async def write() -> None:
+            await append_row(self.redis, self.run_id, row)
+            await self.redis.set(keys.version(self.run_id), row["policy_version"])
+            await self.redis.set(keys.step(self.run_id), row["step"])
+
+        self.loop.run_until_complete(write())
+
+    def stop_requested(self) -> bool:
+        """Whether the coordinator ended the run (stopped, failed or completed it)."""
+        return self.loop.run_until_complete(self.redis.exists(keys.stop_requested(self.run_id))) > 0
+
+    def done(self, step: int) -> None:
+        """The run ended on the learner's side (its data or step budget ran out) at `step`."""
+        self.loop.run_until_complete(self.redis.set(keys.learner_done(self.run_id), step))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.redis.aclose())
+        self.loop.close()
+
+
 class OfflineRun:
     """One rank's offline preference run: draw, train, persist, publish, report."""
 
@@ -154,6 +194,7 @@ class OfflineRun:
         self.state = OfflineState()
         self.stopping = False
         self.checkpoint_step = -1
+        self.reports = RedisReports(config) if config.report_to_redis and world.is_main else None
 
     def run(self, order: Sequence[PreferencePair]) -> int:
         """Train until the step budget or the data runs out (or SIGTERM); returns the final step."""
@@ -167,6 +208,10 @@ class OfflineRun:
         if self.world.is_main:
             step, version = self.trainer.step, self.trainer.policy_version
             print(f"rlfabric offline learner done at step {step}, version {version}", flush=True)
+        if self.reports is not None:
+            if not self.stopping:
+                self.reports.done(self.trainer.step)
+            self.reports.close()
         return self.trainer.step
 
     def resume(self, order: Sequence[PreferencePair]) -> None:
@@ -184,7 +229,10 @@ class OfflineRun:
         self.trainer.renumber(all_reduce_max(max(self.trainer.policy_version, published), self.world))
 
     def stop_requested(self) -> bool:
-        """Whether any rank was asked to stop (collective: every rank agrees)."""
+        """Whether any rank was asked to stop, by SIGTERM or (rank 0) by the coordinator (collective:
+        every rank agrees)."""
+        if self.reports is not None and self.reports.stop_requested():
+            self.stopping = True
         return all_reduce_max(int(self.stopping), self.world) > 0
 
     def step(self, pairs: Sequence[PreferencePair], last: int) -> None:
@@ -230,6 +278,8 @@ class OfflineRun:
         }
         row.update(metrics, pairs_consumed=self.state.cursor, pair_ids=[p.pair_id for p in pairs])
         write_metrics(self.paths.metrics, row)
+        if self.reports is not None:
+            self.reports.step(row)
 
     def request_stop(self, *_: Any) -> None:
         self.stopping = True
@@ -256,8 +306,10 @@ def run_offline(config: LearnerServiceConfig, device: torch.device | None = None
 
 
 def serve_offline(config: LearnerServiceConfig) -> int:
-    """`rlfabric serve learner` when `run.mode == "offline_preference"`: returns the exit code."""
+    """`rlfabric serve learner` when `run.mode == "offline_preference"`: returns the exit code. Prints
+    `READY_LINE` first (`rlfabric up` waits for it: this learner serves no status API)."""
     setup_logging("learner", config.log.level, config.log.format)
+    print(f"{READY_LINE} for run {config.run_id}", flush=True)
     try:
         run_offline(config)
     finally:

@@ -1,11 +1,13 @@
 """`rlfabric up`: the whole system on one machine, every service its own process on loopback.
 
-    1. prepare   the run directory, the run spec (the built-in demo when no file is given), the run's
-                 credentials (RUN_DIR/credentials.json, mode 0600; see `up_credentials`) and up.json (what
-                 `--resume` needs)
+    1. prepare   the run directory, the run spec (the built-in demo when no file is given) checked before
+                 anything starts (`rlfabric.validate`: a run that cannot run is refused naming the field),
+                 the run's credentials (RUN_DIR/credentials.json, mode 0600; see `up_credentials`) and
+                 up.json (what `--resume` needs)
     2. start     redis-server (AOF in the run directory) unless --redis-url; then the reward service, the
                  rollout replicas and the learner at once (a compiling vLLM replica takes longest), the
-                 coordinator once the reward service listens; the run waits for every ready line. Each
+                 coordinator once the reward service listens (an offline preference run starts only the
+                 learner and the coordinator); the run waits for every ready line. Each
                  process runs under `rlfabric.runtime.guard` on a port chosen here, so a restart reuses it
     3. submit    the run to the coordinator's REST API, with the run's API token
     4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -258,6 +259,7 @@ REPLICA_READY = r"serving version (\d+)"
 REWARD_READY = r"listening on (\S+)"
 LEARNER_READY = r"listening on (\S+)"
 COORDINATOR_READY = r"listening on (http://\S+)"
+OFFLINE_LEARNER_READY = r"rlfabric offline learner (started)"
 
 
 @dataclass
@@ -276,7 +278,10 @@ class Services:
 def start_services(
     stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, policy: ScalePolicy | None
 ) -> Services:
-    """Starts reward, rollout, learner and coordinator, each on a port chosen here."""
+    """Starts reward, rollout, learner and coordinator, each on a port chosen here (an offline run needs
+    only the learner and the coordinator)."""
+    if spec.mode == "offline_preference":
+        return start_offline_services(stack, args, spec, redis_url)
     reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
     eager_first = eager_start(args)
     replicas = [
@@ -306,6 +311,16 @@ def start_services(
     return Services(url, supervised, learner.proc, scaler, handoffs)
 
 
+def start_offline_services(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> Services:
+    """An offline preference run's learner and coordinator: nothing generates or scores."""
+    learner = stack.launch(learner_process(stack, args, spec, redis_url), OFFLINE_LEARNER_READY)
+    coordinator = coordinator_process(stack, args, spec, redis_url, reward_address=None)
+    url = stack.start(coordinator, COORDINATOR_READY)
+    stack.wait(learner)
+    supervised = [(coordinator, COORDINATOR_READY), (learner.proc, OFFLINE_LEARNER_READY)]
+    return Services(url, supervised, learner.proc, None, [])
+
+
 def eager_start(args: argparse.Namespace) -> bool:
     """Whether replicas start eager and hand over to compiled twins (`rlfabric.local.handoff`)."""
     return bool(args.compile and getattr(args, "eager_start", True) and args.engine == "vllm")
@@ -321,27 +336,22 @@ def compiled_twin(
 def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess:
     """The reward service: user functions only from the run file's folder and the functions the run
     spec names by module (the operator's own run file, or the demo)."""
-    folder = [str(Path(args.run_file).resolve().parent)] if args.run_file else []
-    allowed = folder + spec_functions(spec)
+    from rlfabric.reward.check import allowed_functions
+
+    allowed = allowed_functions(spec.reward, args.run_file)
     argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")
 
 
-def spec_functions(spec: Any) -> list[str]:
-    """The "package.module:attr" functions the run's reward (or its composite parts) names; file paths
-    are left to the run file's folder."""
-    params = [spec.reward.params, *(part.params for part in spec.reward.parts or [])]
-    named = [str(p["function"]) for p in params if isinstance(p.get("function"), str)]
-    return [n for n in named if re.fullmatch(r"[\w.]+:[\w.]+", n) and not n.split(":")[0].endswith(".py")]
-
-
 def coordinator_process(
-    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, reward_address: str
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, reward_address: str | None
 ) -> ServiceProcess:
-    """The coordinator: datasets and models confined to `allowed_roots`."""
+    """The coordinator: datasets and models confined to `allowed_roots`; `reward_address` None when the
+    run scores nothing (offline)."""
     argv = cli("serve", "coordinator", "--port", str(free_port()), "--set", f"redis.url={redis_url}")
-    argv += ["--set", f"reward_address={reward_address}"]
+    if reward_address is not None:
+        argv += ["--set", f"reward_address={reward_address}"]
     roots = json.dumps(allowed_roots(args, stack.run_dir, spec))
     argv += ["--set", f"data_roots={roots}", "--set", f"model_roots={roots}"]
     return stack.process("coordinator", argv, service="coordinator")
@@ -349,10 +359,10 @@ def coordinator_process(
 
 def allowed_roots(args: argparse.Namespace, run_dir: Path, spec: Any) -> list[str]:
     """Where a run's dataset and model may lie: the working directory, the run file's folder, the run
-    directory (the demo's model and prompts), and the folders holding the dataset and models the run
+    directory (the demo's model and prompts), and the folders holding the datasets and models the run
     file itself names (hub ids aside)."""
     roots = [Path.cwd(), run_dir, *([Path(args.run_file).resolve().parent] if args.run_file else [])]
-    named = [spec.dataset.path, spec.model.path, spec.model.reference_path, spec.model.critic_path]
+    named = [path for _, path in spec.local_paths().values()]
     roots += [Path(path).resolve().parent for path in named if path and Path(path).exists()]
     return list(dict.fromkeys(str(root.resolve()) for root in roots))
 
@@ -411,6 +421,7 @@ def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url
         "server": {"port": free_port()},
         "log": {"format": "text"},
         "run": json.loads(spec.model_dump_json()),
+        "report_to_redis": spec.mode == "offline_preference",
     }
     path = stack.run_dir / "learner.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -505,8 +516,22 @@ def plan(args: argparse.Namespace) -> Plan:
     scale_policy(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = load_spec(args, run_dir)
+    check_run(spec, args.run_file)
     save_state(run_dir, args, spec)
     return Plan(run_dir, args, spec, resume=False)
+
+
+def check_run(spec: Any, run_file: str | None) -> None:
+    """ValueError naming each field that keeps the run from running (`rlfabric.validate`, the scorer
+    built in-process), before any process starts."""
+    from rlfabric.validate import check_local
+
+    report = check_local(spec, run_file)
+    for line in report.notes:
+        print(f"rlfabric up: note: {line}", flush=True)
+    if report.issues:
+        lines = "\n  ".join(str(issue) for issue in report.issues)
+        raise ValueError(f"the run cannot run:\n  {lines}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from rlfabric.contracts import wire
-from rlfabric.reward.spec import ItemResult, ScoreInput, ScorerSpec, spec_from_reward_spec
+from rlfabric.reward.spec import ItemResult, ScoreInput, ScorerProblem, ScorerSpec, spec_from_reward_spec
 from rlfabric.runspec import RewardSpec
 from rlfabric.runtime.grpc_client import make_channel
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
@@ -145,6 +145,13 @@ class AsyncRewardClient:
         return wire.scorer_descriptions_from_proto(
             await self.stub.ListScorers(reward_pb2.ListScorersRequest())
         )
+
+    async def check_scorer(
+        self, scorer: str | ScorerSpec | Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> list[ScorerProblem]:
+        """What the service finds wrong with a scorer spec (CheckScorer; [] when it is valid)."""
+        request = reward_pb2.CheckScorerRequest(scorer=wire.scorer_spec_to_proto(to_spec(scorer)))
+        return wire.scorer_problems_from_proto(await self.stub.CheckScorer(request, timeout=timeout_s))
 
     async def close(self) -> None:
         await self.channel.close(None)

@@ -36,8 +36,8 @@ SPEC_CACHE_SIZE = 256
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    """Score and ListScorers. With a `token`, both answer UNAUTHENTICATED unless the call carries
-    `authorization: Bearer <token>`, checked before anything in the request is read (health and
+    """Score, ListScorers and CheckScorer. With a `token`, each answers UNAUTHENTICATED unless the call
+    carries `authorization: Bearer <token>`, checked before anything in the request is read (health and
     reflection are other services and stay open); `token=None` accepts every call."""
 
     def __init__(
@@ -72,6 +72,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         check_bearer(context, self.token)
         scorers = [wire.scorer_description_to_proto(info) for info in describe_scorers()]
         return reward_pb2.ListScorersResponse(scorers=scorers)
+
+    async def CheckScorer(
+        self, request: reward_pb2.CheckScorerRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.CheckScorerResponse:
+        check_bearer(context, self.token)
+        return wire.scorer_problems_to_proto(self.engine.check(self.specs.get(request.scorer)))
 
     def check_sizes(self, request: reward_pb2.ScoreRequest) -> None:
         if not request.items:

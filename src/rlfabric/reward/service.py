@@ -19,6 +19,7 @@ from prometheus_client import Counter, Histogram
 from rlfabric.reward.pool import ScorerPool
 from rlfabric.reward.scorers import (
     SCORERS,
+    InvalidScorerSpec,
     ScoreInput,
     Scorer,
     ScoreResult,
@@ -28,6 +29,7 @@ from rlfabric.reward.scorers import (
 )
 from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.spec import ScoredBatch as ScoredBatch
+from rlfabric.reward.spec import ScorerProblem
 from rlfabric.reward.spec import ScorerSpec as ScorerSpec
 
 # Linear-time string arithmetic: scored on the event loop itself, where a thread hop would cost more than
@@ -89,6 +91,15 @@ class RewardEngine:
         while len(self._scorers) > SCORER_CACHE_SIZE:
             self._scorers.popitem(last=False)[1].close()
         return scorer
+
+    def check(self, spec: ScorerSpec) -> list[ScorerProblem]:
+        """What is wrong with `spec` under this engine's policy ([] when it builds; the built scorer is
+        kept for the Score calls that follow)."""
+        try:
+            self.resolve(spec)
+        except InvalidScorerSpec as exc:
+            return [ScorerProblem(exc.field, exc.reason)]
+        return []
 
     def runs_inline(self, spec: ScorerSpec) -> bool:
         if spec.name == "composite":

@@ -5,6 +5,7 @@ Plain dataclasses, no scorer, pool, metrics or grpc: the client, the coordinator
 none of the service's code. The scorers and the service re-export these types where they always were.
 
 - described: `ScorerInfo` with its `ParamInfo`s (ListScorers)
+- checked: `ScorerProblem`s of a spec (CheckScorer)
 - asked: `ScorerSpec` (which scorer, with its parameters; a composite lists its parts), `ScoreInput`
 - answered: `ScoreResult` per item (scorer side), `ScoredBatch` per call (service side), `ItemResult`
   per item as a client receives it (with the batch's provenance)
@@ -158,3 +159,12 @@ class ItemResult:
     scorer_name: str
     scorer_version: str
     latency_s: float
+
+
+@dataclass(frozen=True)
+class ScorerProblem:
+    """One thing wrong with a scorer spec (CheckScorer): `field` is the dotted path from the spec's root
+    (`name`, `params.pattern`, `params.parts[1].params.weight`), `reason` says what is wrong."""
+
+    field: str
+    reason: str

@@ -119,3 +119,23 @@ class ListScorersResponse(_message.Message):
     SCORERS_FIELD_NUMBER: _ClassVar[int]
     scorers: _containers.RepeatedCompositeFieldContainer[ScorerDescription]
     def __init__(self, scorers: _Optional[_Iterable[_Union[ScorerDescription, _Mapping]]] = ...) -> None: ...
+
+class CheckScorerRequest(_message.Message):
+    __slots__ = ("scorer",)
+    SCORER_FIELD_NUMBER: _ClassVar[int]
+    scorer: ScorerSpec
+    def __init__(self, scorer: _Optional[_Union[ScorerSpec, _Mapping]] = ...) -> None: ...
+
+class ScorerProblem(_message.Message):
+    __slots__ = ("field", "reason")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    reason: str
+    def __init__(self, field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckScorerResponse(_message.Message):
+    __slots__ = ("problems",)
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    problems: _containers.RepeatedCompositeFieldContainer[ScorerProblem]
+    def __init__(self, problems: _Optional[_Iterable[_Union[ScorerProblem, _Mapping]]] = ...) -> None: ...

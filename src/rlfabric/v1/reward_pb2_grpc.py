@@ -44,6 +44,11 @@ class RewardServiceStub:
                 request_serializer=rlfabric_dot_v1_dot_reward__pb2.ListScorersRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ListScorersResponse.FromString,
                 _registered_method=True)
+        self.CheckScorer = channel.unary_unary(
+                '/rlfabric.v1.RewardService/CheckScorer',
+                request_serializer=rlfabric_dot_v1_dot_reward__pb2.CheckScorerRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_reward__pb2.CheckScorerResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -66,6 +71,15 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckScorer(self, request, context):
+        """Checks a scorer spec without scoring anything: the scorer exists, its parameters validate, and it
+        can be built under this service's policy (allowed user functions, sandbox). A bad spec is an answer
+        (its problems), not an error; the coordinator calls this before it accepts a run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.ListScorers,
                     request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ListScorersRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_reward__pb2.ListScorersResponse.SerializeToString,
+            ),
+            'CheckScorer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckScorer,
+                    request_deserializer=rlfabric_dot_v1_dot_reward__pb2.CheckScorerRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_reward__pb2.CheckScorerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class RewardService:
             '/rlfabric.v1.RewardService/ListScorers',
             rlfabric_dot_v1_dot_reward__pb2.ListScorersRequest.SerializeToString,
             rlfabric_dot_v1_dot_reward__pb2.ListScorersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckScorer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RewardService/CheckScorer',
+            rlfabric_dot_v1_dot_reward__pb2.CheckScorerRequest.SerializeToString,
+            rlfabric_dot_v1_dot_reward__pb2.CheckScorerResponse.FromString,
             options,
             channel_credentials,
             insecure,

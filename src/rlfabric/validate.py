@@ -1,0 +1,291 @@
+"""Checks a run spec against the world before anything runs; shared by `rlfabric config check`,
+`POST /v1/runs` and `rlfabric up`.
+
+The schema (`RunSpec`) says whether a run file is well formed; this module says whether it can run:
+
+    scorer    the scorer exists and its parameters validate (`scorer_issues` maps the reward service's or
+              the registry's `ScorerProblem`s onto the run file's fields)
+    paths     each model path exists, or is a well-formed hub id; the dataset path exists
+    models    each local model's config.json and the policy's tokenizer load (no weights), where
+              transformers is installed; otherwise the check is skipped and the report says why
+    dataset   the columns the run reads exist in the first rows; the first prompts fit the context
+
+Every issue names the run-spec field it is about (`SpecIssue.field`, dotted, e.g. `reward.params.pattern`).
+Light by design: no torch, grpc or scorer import; transformers only inside `check_models`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfabric.coordinator.dataset import DatasetError, read_records
+from rlfabric.reward.check import check_scorer_locally
+from rlfabric.reward.spec import ScorerProblem
+from rlfabric.runspec import RunSpec
+from rlfabric.runtime.paths import is_hub_id
+
+FIRST_ROWS = 16
+"""Rows of the dataset whose columns and prompt lengths are checked."""
+_PART = re.compile(r"^params\.parts\[(\d+)\]\.(.+)$")
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """Why a run cannot run: the field (dotted path), what is wrong, and a machine-readable kind."""
+
+    field: str
+    message: str
+    kind: str
+
+    @property
+    def loc(self) -> list[str | int]:
+        """The field as a location list: `reward.parts[1].params.x` is
+        ["reward", "parts", 1, "params", "x"]."""
+        parts: list[str | int] = []
+        for name in self.field.split("."):
+            base, *indexes = name.replace("]", "").split("[")
+            parts.append(base)
+            parts.extend(int(i) for i in indexes)
+        return parts
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass
+class CheckReport:
+    """The outcome of the checks: issues refuse the run; skipped checks and notes only inform."""
+
+    issues: list[SpecIssue] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Checks not made here, each with the reason."""
+    notes: list[str] = field(default_factory=list)
+    """Things worth knowing that do not stop the run (prompts that will be filtered as too long)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.issues
+
+    def extend(self, other: CheckReport) -> None:
+        self.issues += other.issues
+        self.skipped += other.skipped
+        self.notes += other.notes
+
+
+# -- scorer ---------------------------------------------------------------------------------------------
+
+
+def reward_field(problem_field: str) -> str:
+    """A scorer spec's field (`name`, `params.x`, `params.parts[1].params.x`) as the run file's field."""
+    match = _PART.match(problem_field)
+    if match:
+        rest = "scorer" if match[2] == "name" else match[2]
+        return f"reward.parts[{match[1]}].{rest}"
+    return "reward.scorer" if problem_field == "name" else f"reward.{problem_field}"
+
+
+def scorer_issues(problems: Iterable[ScorerProblem]) -> list[SpecIssue]:
+    """The scorer check's problems as issues of the run file's `reward` section."""
+    return [SpecIssue(reward_field(p.field), p.reason, "invalid_scorer") for p in problems]
+
+
+def uses_reward(spec: RunSpec) -> bool:
+    """Whether the run scores anything (offline preference runs do not)."""
+    return spec.mode == "online"
+
+
+# -- paths ----------------------------------------------------------------------------------------------
+
+
+def model_fields(spec: RunSpec) -> dict[str, str]:
+    """Every model path the spec names, by field."""
+    named = {"path": spec.model.path, "reference_path": spec.model.reference_path}
+    named["critic_path"] = spec.model.critic_path
+    return {f"model.{name}": path for name, path in named.items() if path is not None}
+
+
+def check_paths(spec: RunSpec) -> CheckReport:
+    """Model paths exist as folders or are hub ids; the dataset path exists (or is a hub id)."""
+    report = CheckReport()
+    for name, path in model_fields(spec).items():
+        local = Path(path)
+        if local.exists() and not local.is_dir():
+            report.issues.append(SpecIssue(name, f"{path!r} is a file, not a model folder", "not_a_folder"))
+        elif not local.exists() and not is_hub_id(path):
+            message = f"no folder {path!r}, and it is not a hub id (org/name)"
+            report.issues.append(SpecIssue(name, message, "not_found"))
+    data = spec.dataset.path
+    if not Path(data).exists():
+        if is_hub_id(data):
+            report.skipped.append(f"dataset.path {data!r} is a hub id: its columns are not checked here")
+        else:
+            report.issues.append(SpecIssue("dataset.path", f"no such file or folder {data!r}", "not_found"))
+    return report
+
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+def transformers_missing() -> str | None:
+    """Why model files cannot be loaded in this process, or None when they can."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed here: model configs and tokenizers were not loaded"
+    return None
+
+
+@dataclass
+class Loaded:
+    """What loading one model's files found: the tokenizer (when asked for and it loaded), the reason
+    they do not load, or that a hub id is not in the local cache."""
+
+    tokenizer: Any = None
+    problem: str | None = None
+    cached: bool = True
+
+
+def check_models(spec: RunSpec) -> tuple[CheckReport, Any]:
+    """Loads each local model's config and the policy's tokenizer (never weights); returns the report
+    and the tokenizer (None when it did not load). Hub ids load only from the local cache; one not
+    cached is skipped."""
+    report = CheckReport()
+    missing = transformers_missing()
+    if missing is not None:
+        report.skipped.append(missing)
+        return report, None
+    tokenizer = None
+    for name, path in model_fields(spec).items():
+        if not Path(path).is_dir() and not is_hub_id(path):
+            continue  # check_paths reported it
+        loaded = load_model_files(path, tokenizer=name == "model.path")
+        if loaded.problem is not None:
+            report.issues.append(SpecIssue(name, loaded.problem, "model_unloadable"))
+        elif not loaded.cached:
+            report.skipped.append(f"{name} {path!r} is not in the local hub cache: not loaded here")
+        elif name == "model.path":
+            tokenizer = loaded.tokenizer
+    return report, tokenizer
+
+
+def load_model_files(path: str, *, tokenizer: bool) -> Loaded:
+    """Loads the config (and the tokenizer) of a local folder, or of a hub id from the local cache."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    hub = not Path(path).is_dir()
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=hub)
+        return Loaded(AutoTokenizer.from_pretrained(path, local_files_only=hub) if tokenizer else None)
+    except Exception as exc:  # deliberately broad: any failure to load is the finding
+        if hub:
+            return Loaded(cached=False)
+        return Loaded(problem=f"the model does not load: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+# -- dataset --------------------------------------------------------------------------------------------
+
+
+def column_fields(spec: RunSpec) -> dict[str, str]:
+    """The columns the run reads from each row, by the field that names them."""
+    data = spec.dataset
+    columns = {"dataset.prompt_field": data.prompt_field}
+    if spec.mode == "offline_preference":
+        columns["preference.chosen_field"] = spec.preference.chosen_field
+        columns["preference.rejected_field"] = spec.preference.rejected_field
+        return columns
+    if data.reference_field is not None:
+        columns["dataset.reference_field"] = data.reference_field
+    columns.update({f"dataset.metadata_fields[{i}]": c for i, c in enumerate(data.metadata_fields)})
+    return columns
+
+
+def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) -> CheckReport:
+    """The first `rows` rows hold every column the run reads; with a tokenizer, their prompts fit."""
+    report = CheckReport()
+    path = Path(spec.dataset.path)
+    if not path.exists():
+        return report  # check_paths reported it (or skipped a hub id)
+    try:
+        records = read_records(path)[:rows]
+    except DatasetError as exc:
+        return CheckReport(issues=[SpecIssue("dataset.path", str(exc), "unreadable")])
+    if not records:
+        return CheckReport(issues=[SpecIssue("dataset.path", f"{path}: the dataset is empty", "empty")])
+    report.issues += missing_columns(spec, records)
+    if tokenizer is not None and not report.issues:
+        report.extend(check_prompt_lengths(spec, records, tokenizer))
+    return report
+
+
+def missing_columns(spec: RunSpec, records: Sequence[Any]) -> list[SpecIssue]:
+    """One issue per column the run reads that a row lacks (the first such row named)."""
+    issues = []
+    for name, column in column_fields(spec).items():
+        lacking = [i for i, r in enumerate(records, 1) if not isinstance(r, dict) or column not in r]
+        if lacking:
+            message = f"column {column!r} is missing from row {lacking[0]} of the dataset"
+            issues.append(SpecIssue(name, message, "missing_column"))
+    return issues
+
+
+def prompt_budget(spec: RunSpec) -> tuple[str, int]:
+    """The field that bounds a prompt's length and the longest prompt it allows, in tokens."""
+    if spec.mode == "offline_preference":
+        return "model.max_model_len", spec.model.max_model_len - 1
+    return "rollout.sampling.max_tokens", spec.model.max_model_len - spec.rollout.sampling.max_tokens
+
+
+def check_prompt_lengths(spec: RunSpec, records: Sequence[dict[str, Any]], tokenizer: Any) -> CheckReport:
+    """An issue when no room is left for a prompt or none of the first prompts fits; a note when some
+    do not (those are filtered when the run loads its prompts)."""
+    bound, budget = prompt_budget(spec)
+    if budget <= 0:
+        message = f"leaves no room for a prompt within model.max_model_len {spec.model.max_model_len}"
+        return CheckReport(issues=[SpecIssue(bound, message, "no_room")])
+    lengths = [prompt_tokens(spec, r[spec.dataset.prompt_field], tokenizer) for r in records]
+    long = [n for n in lengths if n > budget]
+    if not long:
+        return CheckReport()
+    summary = f"{len(long)} of the first {len(lengths)} prompts exceed {budget} tokens (longest {max(long)})"
+    if len(long) == len(lengths):
+        return CheckReport(issues=[SpecIssue("dataset.prompt_field", f"{summary}: none fits", "too_long")])
+    return CheckReport(notes=[f"dataset.prompt_field: {summary}; those are filtered out"])
+
+
+def prompt_tokens(spec: RunSpec, prompt: Any, tokenizer: Any) -> int:
+    """The prompt's length in tokens as the run renders it (chat template when asked and available)."""
+    if spec.dataset.chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    elif not isinstance(prompt, str):
+        prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+    return len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+# -- all together ---------------------------------------------------------------------------------------
+
+
+def check_spec(spec: RunSpec, scorer_problems: Sequence[ScorerProblem] | None = None) -> CheckReport:
+    """Every check but the scorer's, whose problems the caller got (in-process or from the reward
+    service; None: not checked, the caller says why in `skipped`)."""
+    report = CheckReport(issues=scorer_issues(scorer_problems or []))
+    report.extend(check_paths(spec))
+    models, tokenizer = check_models(spec)
+    report.extend(models)
+    report.extend(check_dataset(spec, tokenizer))
+    return report
+
+
+def check_local(spec: RunSpec, run_file: str | None = None) -> CheckReport:
+    """Every check in this process, the scorer built from the registry (`rlfabric config check`,
+    `rlfabric up`): user functions from the run file's folder, as `rlfabric up` allows them."""
+    problems = check_scorer_locally(spec.reward, run_file) if uses_reward(spec) else []
+    return check_spec(spec, problems)

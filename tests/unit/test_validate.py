@@ -1,0 +1,110 @@
+"""`rlfabric.validate` and `rlfabric config check`: every broken run file of issue 20 (a misspelt
+scorer, unknown scorer params, a missing model path, a missing dataset path, a missing column) is refused
+naming the field; a good one passes. Also the estimator names a run file may use."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfabric import cli
+from rlfabric.learner.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rlfabric.runspec import AlgorithmSpec, RunSpec
+from rlfabric.validate import SpecIssue, check_local, reward_field
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "what is 2+2?", "answer": "4"}, {"prompt": "and 3+3?", "answer": "6"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def spec(model: Path | str, data: Path | str, **extra: Any) -> RunSpec:
+    base: dict[str, Any] = {"model": {"path": str(model)}, "dataset": {"path": str(data)}}
+    return RunSpec.model_validate({**base, **extra})
+
+
+BROKEN: dict[str, tuple[dict[str, Any], str]] = {
+    "misspelt scorer": ({"reward": {"scorer": "exact_matc"}}, "reward.scorer"),
+    "unknown scorer params": (
+        {"reward": {"scorer": "exact_match", "params": {"bogus": 1}}},
+        "reward.params.bogus",
+    ),
+    "bad composite part": (
+        {"reward": {"scorer": "composite", "parts": [{"scorer": "regex"}]}},
+        "reward.parts[0].params.pattern",
+    ),
+    "missing column": ({"dataset": {"metadata_fields": ["tags"]}}, "dataset.metadata_fields[0]"),
+    "no room for a prompt": ({"model": {"max_model_len": 256}}, "rollout.sampling.max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_each_broken_run_file_is_refused_naming_the_field(
+    case: str, tiny_model_dir: Path, data: Path
+) -> None:
+    extra, field = BROKEN[case]
+    base = spec(tiny_model_dir, data).model_dump()
+    report = check_local(RunSpec.model_validate({**base, **{k: {**base[k], **v} for k, v in extra.items()}}))
+    assert [i.field for i in report.issues] == [field], report.issues
+
+
+def test_missing_paths_are_refused_and_hub_ids_pass(tiny_model_dir: Path, data: Path, tmp_path: Path) -> None:
+    report = check_local(spec(tmp_path / "no-model", tmp_path / "no-data.jsonl"))
+    assert [(i.field, i.kind) for i in report.issues] == [
+        ("model.path", "not_found"),
+        ("dataset.path", "not_found"),
+    ]
+    hub = check_local(spec("no-such-org/no-such-model", data))
+    assert hub.ok and any("hub cache" in s for s in hub.skipped)
+
+
+def test_a_model_folder_that_does_not_load_is_refused(tmp_path: Path, data: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    report = check_local(spec(broken, data))
+    assert [(i.field, i.kind) for i in report.issues] == [("model.path", "model_unloadable")]
+
+
+def test_a_good_run_file_passes_and_offline_runs_check_their_pair_columns(
+    tiny_model_dir: Path, data: Path
+) -> None:
+    assert check_local(spec(tiny_model_dir, data)).ok
+    offline = check_local(spec(tiny_model_dir, data, mode="offline_preference"))
+    assert [i.field for i in offline.issues] == ["preference.chosen_field", "preference.rejected_field"]
+
+
+def test_issue_locations_split_indexes() -> None:
+    assert SpecIssue("reward.parts[1].params.x", "m", "k").loc == ["reward", "parts", 1, "params", "x"]
+    assert reward_field("name") == "reward.scorer"
+    assert reward_field("params.parts[2].scorer") == "reward.parts[2].scorer"
+
+
+def test_config_check_prints_the_field_and_exits_2(
+    tiny_model_dir: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        json.dumps({**spec(tiny_model_dir, data).model_dump(), "reward": {"scorer": "exact_matc"}})
+    )
+    assert cli.main(["config", "check", str(bad)]) == 2
+    assert "reward.scorer: unknown scorer 'exact_matc'" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(spec(tiny_model_dir, data).model_dump_json())
+    assert cli.main(["config", "check", str(good)]) == 0
+    assert "valid RunSpec" in capsys.readouterr().out
+
+
+def test_ppo_is_the_name_of_gae_and_every_registered_estimator_is_selectable() -> None:
+    assert AlgorithmSpec.model_validate({"advantage": "ppo"}).advantage == "gae"
+    names = typing.get_args(AlgorithmSpec.model_fields["advantage"].annotation)
+    assert set(names) == set(ADVANTAGE_ESTIMATORS)
+    for name in ADVANTAGE_ESTIMATORS:
+        assert AlgorithmSpec.model_validate({"advantage": name}).advantage == name
