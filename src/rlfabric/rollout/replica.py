@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
+from rlfabric.contracts import wire
 from rlfabric.rollout.engine import Engine, EngineSample, SamplingSettings
 from rlfabric.runtime.errors import (
     DeadlineExceeded,
@@ -101,8 +102,7 @@ class Replica:
                 raise InvalidArgument(f"prompts[{i}]: the prompt is empty")
             if len(ids) + sampling.max_tokens > self.engine.max_model_len:
                 raise InvalidArgument(
-                    f"prompts[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
-                    f"context of {self.engine.max_model_len}"
+                    wire.prompt_too_long_details(i, len(ids), sampling.max_tokens, self.engine.max_model_len)
                 )
 
     async def generate(

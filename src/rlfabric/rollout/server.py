@@ -116,7 +116,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             messages = wire.messages_from_proto(prompt.messages)
             if not messages:
                 raise InvalidArgument(f"prompts[{index}].prompt.messages: empty conversation")
-            return self.replica.engine.tokenize_chat(messages)
+            return self.replica.engine.tokenize_chat(
+                messages, wire.template_kwargs_from_proto(prompt.messages)
+            )
         if kind == "token_ids":
             return self.check_ids(index, list(prompt.token_ids.ids))
         raise InvalidArgument(f"prompts[{index}].prompt: set text, messages or token_ids")

@@ -3,7 +3,7 @@
 
 - a reward outage holds the generated samples and retries scoring (counted, warned in the run status while
   it lasts); nothing is generated twice, and the run goes on once the service is back on its port;
-- a prompt longer than the replica's context is dropped with the reason `invalid_prompt`, never retried,
+- a prompt longer than the replica's context is dropped with the reason `prompt_too_long`, never retried,
   and the replica is not blamed (no re-dispatch);
 - acknowledged entries are trimmed, so the stream and Redis memory stay bounded over many groups, and the
   books still balance.
@@ -123,7 +123,7 @@ async def test_reward_outage_holds_samples_and_an_invalid_prompt_is_dropped(
     run = asyncio.get_running_loop().create_task(pipeline.run(stop_requested))
     learner = asyncio.get_running_loop().create_task(fake_learner(redis, done))
     try:
-        await wait_for(redis, "dropped_invalid_prompt", 1)
+        await wait_for(redis, "dropped_prompt_too_long", 1)
         await wait_for(redis, "groups_queued", 4)
         reward.kill()  # SIGKILL: Score calls fail with UNAVAILABLE
         await wait_for(redis, "score_retries", 4)
@@ -147,9 +147,9 @@ async def test_reward_outage_holds_samples_and_an_invalid_prompt_is_dropped(
         {k.decode(): v.decode() for k, v in f.items()}
         for _, f in await redis.xrange(f"rlfabric:{RUN}:dropped")
     ]
-    invalid = [d for d in drops if d["reason"] == "invalid_prompt"]
+    invalid = [d for d in drops if d["reason"] == "prompt_too_long"]
     assert invalid and all(d["prompt_id"] == "long" for d in invalid)
-    assert found["dropped_invalid_prompt"] == len(invalid)
+    assert found["dropped_prompt_too_long"] == len(invalid)
     assert "exceed the context" in invalid[0]["detail"]
     await pipeline.trim_acknowledged()
     await assert_books_balance(redis)
