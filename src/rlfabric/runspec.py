@@ -71,11 +71,48 @@ class ModelSpec(SpecModel):
     """Longest prompt + completion in tokens."""
 
 
+class EvalSpec(SpecModel):
+    """The prompts evaluation scores (`dataset.eval_every_steps`) and how they are sampled. A separate
+    set is named by `path` and/or `split`: another file, folder or hub id, or another split of the
+    training dataset. Without one, evaluation uses the held-out fraction (`dataset.held_out_fraction`).
+    Either way the evaluated rows are never trained on."""
+
+    path: str | None = None
+    """File, folder or hub id of the evaluation set; None: the training dataset (its `name` and
+    `revision` too)."""
+    name: str | None = None
+    """Configuration of a hub dataset (`datasets.load_dataset`'s `name`, e.g. "main" for GSM8K)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of `path`."""
+    split: str | None = None
+    """Split of the evaluation set, e.g. "test" or "train[90%:]"; None: "train" when `path` is set,
+    and no separate set when neither is."""
+    max_prompts: int = Field(default=0, ge=0, le=MAX_BATCH)
+    """Evaluate at most this many prompts (the first ones of the set); 0: all of them."""
+    n: int | None = Field(default=None, ge=1, le=MAX_KEEP)
+    """Samples per evaluated prompt; None: `rollout.sampling.n`."""
+    temperature: float | None = Field(default=None, ge=0.0)
+    """Sampling temperature of evaluation; None: `rollout.sampling.temperature`."""
+
+    @property
+    def separate(self) -> bool:
+        """True when a separate evaluation set is named (else the held-out fraction is used)."""
+        return self.path is not None or self.split is not None
+
+
 class DatasetSpec(SpecModel):
-    """Where prompts come from and how they are drawn."""
+    """Where prompts come from and how they are drawn. Every source is read with Hugging Face
+    `datasets`: a JSONL, JSON, Parquet or CSV file, a folder written by `save_to_disk` (a Dataset or a
+    DatasetDict) or holding data files, or a hub id (`org/name`)."""
 
     path: str
-    """Local JSONL or Parquet file, or a folder written by `datasets.Dataset.save_to_disk`."""
+    """Local file or folder, or a hub dataset id (`org/name`, loaded with `datasets.load_dataset`)."""
+    name: str | None = None
+    """Configuration of a hub dataset (`datasets.load_dataset`'s `name`, e.g. "main" for GSM8K)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of `path`."""
+    split: str = "train"
+    """Split trained on, e.g. "train" or "train[:90%]" (a single file's only split is "train")."""
     prompt_field: str = "prompt"
     """Column with the prompt: a string, or a list of {role, content} chat messages."""
     reference_field: str | None = "answer"
@@ -84,14 +121,47 @@ class DatasetSpec(SpecModel):
     """Extra columns passed to scorers as keyword arguments (test cases, tags, ...)."""
     chat_template: bool = True
     """Render string prompts as a single user message with the model's chat template."""
+    system_prompt: str | None = None
+    """System message put before every prompt rendered with the chat template (a chat prompt that
+    starts with its own system message keeps it); needs `chat_template` for string prompts."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables of the chat template, e.g. {enable_thinking = false} (JSON values; numbers
+    travel as floats)."""
     shuffle_seed: int | None = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the per-epoch shuffle; None keeps file order."""
     epochs: int = Field(default=1, ge=1, le=MAX_STEPS)
     """Passes over the training prompts."""
     held_out_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Fraction of prompts set aside for evaluation, never trained on."""
+    """Fraction of the training prompts set aside for evaluation when `eval` names no separate set."""
     eval_every_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
-    """Score the held-out split every k learner steps; 0 disables evaluation."""
+    """Evaluate every k learner steps (on `eval`'s set, else the held-out fraction); 0 disables it."""
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    """The evaluation set and its sampling."""
+
+    @model_validator(mode="after")
+    def _eval_is_never_trained_on(self) -> DatasetSpec:
+        if not self.eval.separate:
+            return self
+        if self.held_out_fraction:
+            raise ValueError("dataset.held_out_fraction: set it or a separate dataset.eval set, not both")
+        same_name = (self.eval.name or self.name) == self.name
+        if self.eval.path in (None, self.path) and same_name and self.eval_split == self.split:
+            raise ValueError(
+                f"dataset.eval.split: {self.split!r} is the training split (evaluation rows are never "
+                "trained on); name another split or path"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_template(self) -> DatasetSpec:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("dataset.system_prompt: needs dataset.chat_template = true")
+        return self
+
+    @property
+    def eval_split(self) -> str:
+        """The evaluation set's split (`eval.split`, else "train" of a separate path)."""
+        return self.eval.split or "train"
 
 
 class SamplingSpec(SpecModel):
@@ -129,7 +199,7 @@ class ScorerPart(SpecModel):
     """One weighted part of a composite reward."""
 
     scorer: str
-    """Registered scorer name (see `rlfabric score --list`)."""
+    """Registered scorer name (see `rlfabric reward list`)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """The scorer's parameters."""
     weight: float = 1.0
@@ -444,6 +514,8 @@ class RunSpec(SpecModel):
         ("model"). A service that reads any of them from a spec it did not write confines them to its
         roots (`rlfabric.runtime.paths`)."""
         found: dict[str, tuple[PathKind, str]] = {"dataset.path": ("data", self.dataset.path)}
+        if self.dataset.eval.path is not None:
+            found["dataset.eval.path"] = ("data", self.dataset.eval.path)
         models = {"path": self.model.path, "reference_path": self.model.reference_path}
         models["critic_path"] = self.model.critic_path
         found.update({f"model.{name}": ("model", p) for name, p in models.items() if p is not None})

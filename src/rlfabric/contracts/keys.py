@@ -283,6 +283,13 @@ class Counter(StrEnum):
     DROPPED_ZERO_VARIANCE = "dropped_zero_variance", "coordinator", "groups dropped: one reward for all"
     DROPPED_SCORER_ERROR = "dropped_scorer_error", "coordinator", "groups dropped: a sample's scorer failed"
     DROPPED_INVALID_PROMPT = "dropped_invalid_prompt", "coordinator", "groups dropped: the replica refused"
+    DROPPED_PROMPT_TOO_LONG = (
+        "dropped_prompt_too_long",
+        "coordinator",
+        "groups dropped: the prompt leaves no room for max_tokens in max_model_len",
+    )
+    EVAL_PROMPTS_TOO_LONG = "eval_prompts_too_long", "coordinator", "evaluation prompts skipped as too long"
+    DROPPED_NOT_APPLICABLE = "dropped_not_applicable", "coordinator", "groups dropped: no reward applies"
     SCORER_ERRORS = "scorer_errors", "coordinator", "samples whose scorer failed"
     REDISPATCHES = "redispatches", "coordinator", "groups generated again (failed replica, restart)"
     SCORE_RETRIES = "score_retries", "coordinator", "Score calls retried while the reward service failed"
@@ -301,7 +308,13 @@ class DropReason(StrEnum):
     SCORER_ERROR = "scorer_error"
     """The coordinator: a sample's scorer failed."""
     INVALID_PROMPT = "invalid_prompt"
-    """The coordinator: the replica refused the prompt itself (too long, empty)."""
+    """The coordinator: the replica refused the prompt itself (empty, ...)."""
+    PROMPT_TOO_LONG = "prompt_too_long"
+    """The coordinator: the prompt's tokens + max_tokens exceed the model's context (the replica said so,
+    or an earlier group of the same prompt was refused so)."""
+    NOT_APPLICABLE = "not_applicable"
+    """The coordinator: a sample's scorer does not apply to it (every user reward function returned None,
+    TRL's "not applicable"); as in TRL such a sample carries no learning signal."""
 
     @property
     def counter(self) -> Counter:

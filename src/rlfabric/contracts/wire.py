@@ -7,7 +7,7 @@ enum's values (tests check both). This module imports only the generated stubs a
 no scorer, no server.
 
     reward     ScorerSpec <-> ScorerSpec, ScoreInput <-> ScoreItem, ScoredBatch -> ScoreResponse,
-               ItemScore -> ItemResult, "ok" | "scorer_error" | "timeout" <-> RewardStatus
+               ItemScore -> ItemResult, "ok" | "scorer_error" | "timeout" | "not_applicable" <-> RewardStatus
     rollout    SamplingSpec -> SamplingParams -> SamplingSettings, EngineSample -> GeneratedSample,
                "stop" | "length" | "abort" <-> FinishReason, TensorMeta <-> TensorSpec,
                BroadcastSource -> BroadcastPlan
@@ -49,6 +49,7 @@ REWARD_STATUS: dict[ScoreStatus, common_pb2.RewardStatus] = {
     "ok": common_pb2.REWARD_STATUS_OK,
     "scorer_error": common_pb2.REWARD_STATUS_SCORER_ERROR,
     "timeout": common_pb2.REWARD_STATUS_TIMEOUT,
+    "not_applicable": common_pb2.REWARD_STATUS_NOT_APPLICABLE,
 }
 """A score's status on the wire (UNSPECIFIED is never sent)."""
 REWARD_STATUS_NAMES: dict[common_pb2.RewardStatus, ScoreStatus] = {v: k for k, v in REWARD_STATUS.items()}
@@ -90,22 +91,54 @@ def struct_from_proto(message: struct_pb2.Struct) -> dict[str, Any]:
 
 
 def prompt_to_proto(
-    prompt: str | Sequence[Mapping[str, str]], *, chat_template: bool = False
+    prompt: str | Sequence[Mapping[str, str]],
+    *,
+    chat_template: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> common_pb2.Prompt:
     """Chat messages as `messages`; text as `text`, or, with `chat_template`, as one user message (the
-    replica then renders it with the model's chat template)."""
+    replica then renders it with the model's chat template, given `template_kwargs`)."""
     if not isinstance(prompt, str):
-        return common_pb2.Prompt(messages=messages_to_proto(prompt))
+        return common_pb2.Prompt(messages=messages_to_proto(prompt, template_kwargs))
     if chat_template:
-        return common_pb2.Prompt(messages=messages_to_proto([{"role": "user", "content": prompt}]))
+        user = [{"role": "user", "content": prompt}]
+        return common_pb2.Prompt(messages=messages_to_proto(user, template_kwargs))
     return common_pb2.Prompt(text=prompt)
 
 
-def messages_to_proto(messages: Iterable[Mapping[str, str]]) -> common_pb2.ChatMessages:
-    """[{"role", "content"}] as `ChatMessages`."""
+def messages_to_proto(
+    messages: Iterable[Mapping[str, str]], template_kwargs: Mapping[str, Any] | None = None
+) -> common_pb2.ChatMessages:
+    """[{"role", "content"}] (and the chat template's extra variables) as `ChatMessages`."""
     return common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        template_kwargs=struct_to_proto(template_kwargs) if template_kwargs else None,
     )
+
+
+def template_kwargs_from_proto(messages: common_pb2.ChatMessages) -> dict[str, Any]:
+    """The chat template's extra variables ({} when none). Integral numbers come back as ints (a
+    `Struct` carries every number as a double)."""
+    found = struct_from_proto(messages.template_kwargs)
+    return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in found.items()}
+
+
+PROMPT_TOO_LONG = "too long for the context"
+"""What a replica's INVALID_ARGUMENT for a prompt that leaves no room for `max_tokens` says (see
+`prompt_too_long_details`), so a caller can tell it from the other refusals of a prompt."""
+
+
+def prompt_too_long_details(index: int, prompt_tokens: int, max_tokens: int, context: int) -> str:
+    """The status details of Generate's refusal of `prompts[index]` as too long."""
+    return (
+        f"prompts[{index}]: {PROMPT_TOO_LONG}: {prompt_tokens} prompt tokens + max_tokens {max_tokens} "
+        f"exceed the context of {context}"
+    )
+
+
+def is_prompt_too_long(details: str) -> bool:
+    """True for the details of a refusal written by `prompt_too_long_details`."""
+    return details.startswith("prompts[") and f": {PROMPT_TOO_LONG}: " in details
 
 
 def messages_from_proto(messages: common_pb2.ChatMessages) -> list[Message]:
@@ -239,6 +272,9 @@ def item_to_proto(item: ScoreInput) -> reward_pb2.ScoreItem:
         completion=item.completion,
         reference=item.reference,
         metadata=struct_to_proto(item.metadata) if item.metadata else None,
+        completion_ids=None if item.completion_ids is None else common_pb2.TokenIds(ids=item.completion_ids),
+        policy_version=item.policy_version,
+        epoch=item.epoch,
     )
 
 
@@ -252,6 +288,9 @@ def item_from_proto(index: int, item: reward_pb2.ScoreItem) -> ScoreInput:
         item.completion,
         item.reference,
         metadata_from_proto(item),
+        list(item.completion_ids.ids) if item.HasField("completion_ids") else None,
+        item.policy_version if item.HasField("policy_version") else None,
+        item.epoch if item.HasField("epoch") else None,
     )
 
 

@@ -37,7 +37,7 @@ import grpc
 from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
-from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_rows, split
+from rlfabric.coordinator.dataset import EvalSource, PromptCursor, PromptRow, chat_prompt, load_prompt_sets
 from rlfabric.coordinator.replicas import ReplicaPool
 from rlfabric.coordinator.runs import RunNotFound, RunState, RunStore
 from rlfabric.coordinator.scaling import (
@@ -48,12 +48,12 @@ from rlfabric.coordinator.scaling import (
     export_scaling_gauges,
     scaling_signal,
 )
-from rlfabric.reward.client import AsyncRewardClient
+from rlfabric.reward.client import ITEM_COLUMNS, AsyncRewardClient, RewardServiceError
 from rlfabric.reward.spec import ItemResult, spec_from_reward_spec
-from rlfabric.runspec import RunSpec
+from rlfabric.runspec import RunSpec, SamplingSpec
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
-from rlfabric.v1 import queue_pb2, rollout_pb2
+from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ ENQUEUE_POLL_S = 0.1
 """How often an enqueue waiting for room in the learner's backlog looks again."""
 INVALID_PROMPT_FIELD = "prompts["
 """How a replica's INVALID_ARGUMENT names a prompt it refuses (`prompts[0]: ... exceed the context`)."""
+TOO_LONG_WARNING = "prompts too long for the context are dropped"
+"""Start of the run-status warning shown once a prompt was refused as longer than `max_model_len -
+max_tokens` (each such prompt is dropped with the reason `prompt_too_long` and never dispatched again)."""
 REWARD_WARNING = "reward service unreachable"
 """Start of the run-status warning shown while Score calls fail."""
 REWARD_REFUSAL = "reward service refuses the run's scorer"
@@ -136,15 +139,20 @@ class ReplicaFailed(RuntimeError):
 
 class InvalidPrompt(ValueError):
     """The replica refused the prompt itself (too long for the context, empty): drop the group, never
-    retry it and never blame the replica."""
+    retry it and never blame the replica. `too_long`: the refusal says the prompt leaves no room for
+    `max_tokens` (`wire.is_prompt_too_long`)."""
+
+    def __init__(self, message: str, *, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.too_long = too_long
 
 
-def reward_warning(error: grpc.aio.AioRpcError) -> str:
+def reward_warning(error: RewardServiceError) -> str:
     """The run-status warning for a failed Score call: a refusal names the service's reason (the field and
     why, never file contents: the reward service's messages are written so), an outage its status code."""
-    if error.code() in REFUSAL_CODES:
-        return f"{REWARD_REFUSAL} ({error.code().name}): {error.details()}; groups hold their samples"
-    return f"{REWARD_WARNING} ({error.code().name}); groups hold their samples"
+    if error.code in REFUSAL_CODES:
+        return f"{REWARD_REFUSAL} ({error.code.name}): {error.details}; groups hold their samples"
+    return f"{REWARD_WARNING} ({error.code.name}); groups hold their samples"
 
 
 def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
@@ -152,6 +160,12 @@ def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
     INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
     details = error.details() or ""
     return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
+
+
+def eval_sampling(spec: RunSpec) -> SamplingSpec:
+    """The run's sampling with `dataset.eval`'s overrides (samples per prompt, temperature)."""
+    overrides = {"n": spec.dataset.eval.n, "temperature": spec.dataset.eval.temperature}
+    return spec.rollout.sampling.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
 class RunPipeline:
@@ -181,6 +195,11 @@ class RunPipeline:
         self.drop_once = redis.register_script(DROP_ONCE)
         self.draw_at = redis.register_script(DRAW_AT)
         self.rows: dict[str, PromptRow] = {}
+        self.too_long: set[str] = set()
+        """Training prompt ids a replica refused as too long: never dispatched again."""
+        self.eval_too_long: set[str] = set()
+        """The same for evaluation prompt ids (never evaluated again)."""
+        self.eval_sampling = eval_sampling(spec)
         self.store = RunStore(redis)
         self.reward_warning: str | None = None
         self.warning_lock = asyncio.Lock()
@@ -203,15 +222,18 @@ class RunPipeline:
     # --- the loop ---------------------------------------------------------------------------------
 
     async def run(self, stop: Callable[[], Awaitable[bool]]) -> RunState:
-        rows = load_rows(self.spec.dataset)
-        train, held_out = split(rows, self.spec.dataset.held_out_fraction)
-        self.rows = {r.prompt_id: r for r in rows}
-        cursor = PromptCursor(self.redis, self.run_id, train, self.spec.dataset)
+        sets = load_prompt_sets(self.spec.dataset)
+        log.info(
+            "run %s: %d training prompts, %d evaluation prompts (%s)",
+            self.run_id, len(sets.train), len(sets.evaluation), sets.eval_source,
+        )  # fmt: skip
+        self.rows = {r.prompt_id: r for r in sets.train}
+        cursor = PromptCursor(self.redis, self.run_id, sets.train, self.spec.dataset)
         await ensure_consumer_group(self.redis, self.run_id)
         loop = asyncio.get_running_loop()
         helpers = [
             loop.create_task(self.replicas.watch()),
-            loop.create_task(self.evaluate_periodically(held_out)),
+            loop.create_task(self.evaluate_periodically(sets.evaluation, sets.eval_source)),
             loop.create_task(self.export_scaling_periodically()),
             loop.create_task(self.trim_periodically()),
         ]
@@ -321,7 +343,8 @@ class RunPipeline:
                     if samples is None:
                         samples = await self.generate_group(item, row)
                     if samples:  # [] when dropped as invalid
-                        await self.finish_group(item, row, samples, await self.score_held(row, samples))
+                        scores = await self.score_held(row, samples, item.epoch)
+                        await self.finish_group(item, row, samples, scores)
                 break
             except Exception:
                 log.exception("group %s failed; it stays in flight and is retried", item.group_id)
@@ -330,7 +353,10 @@ class RunPipeline:
 
     async def generate_group(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
         """The group's samples, re-dispatched while replicas fail; [] when the prompt was dropped as
-        invalid (recorded with the reason `invalid_prompt`)."""
+        invalid (recorded with the reason `invalid_prompt`, or `prompt_too_long`)."""
+        if item.prompt_id in self.too_long:
+            await self.drop(item, DropReason.PROMPT_TOO_LONG, "refused before as too long for the context")
+            return []
         while True:
             cancel_point()
             try:
@@ -341,15 +367,46 @@ class RunPipeline:
                 await self.count(Counter.REDISPATCHES)
                 log.warning("re-dispatching %s: %s", item.group_id, exc)
             except InvalidPrompt as exc:
+                if exc.too_long:
+                    await self.refused_as_too_long(row, str(exc))
+                    await self.drop(item, DropReason.PROMPT_TOO_LONG, str(exc)[:500])
+                    return []
                 log.warning("dropping %s: the replica refused its prompt: %s", item.group_id, exc)
                 await self.drop(item, DropReason.INVALID_PROMPT, str(exc)[:500])
                 return []
         await self.count(Counter.SAMPLES_GENERATED, len(samples))
         return samples
 
-    async def generate(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
-        """One Generate call on the least-loaded replica. ReplicaFailed when the replica failed (it is
-        excluded for a while), InvalidPrompt when it refused the prompt itself (not the replica's fault)."""
+    async def refused_as_too_long(self, row: PromptRow, reason: str) -> None:
+        """Remembers a prompt a replica refused as too long (it is never dispatched again), logs it, and
+        puts the run-status warning up (once)."""
+        self.too_long.add(row.prompt_id)
+        log.warning("prompt %s is too long and is dropped: %s", row.prompt_id, reason)
+        sampling, context = self.spec.rollout.sampling, self.spec.model.max_model_len
+        warning = (
+            f"{TOO_LONG_WARNING}: longer than model.max_model_len {context} - rollout.sampling.max_tokens "
+            f"{sampling.max_tokens} tokens (counters {Counter.DROPPED_PROMPT_TOO_LONG}, "
+            f"{Counter.EVAL_PROMPTS_TOO_LONG})"
+        )
+        with contextlib.suppress(RunNotFound):
+            await self.store.add_warning(self.run_id, warning)
+
+    def prompt_proto(self, row: PromptRow) -> common_pb2.Prompt:
+        """The row's prompt as the replica receives it: the system prompt and the chat template's extra
+        variables of the dataset spec applied."""
+        data = self.spec.dataset
+        return wire.prompt_to_proto(
+            chat_prompt(row, data),
+            chat_template=data.chat_template,
+            template_kwargs=data.chat_template_kwargs,
+        )
+
+    async def generate(
+        self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
+    ) -> list[rollout_pb2.GeneratedSample]:
+        """One Generate call on the least-loaded replica (`sampling`: the run's unless given). ReplicaFailed
+        when the replica failed (it is excluded for a while), InvalidPrompt when it refused the prompt itself
+        (not the replica's fault)."""
         latest = int(await self.redis.get(keys.version(self.run_id)) or 0)  # the learner's announced version
         address = await self.replicas.acquire()
         request = rollout_pb2.GenerateRequest(
@@ -358,10 +415,10 @@ class RunPipeline:
             prompts=[
                 rollout_pb2.GeneratePrompt(
                     prompt_id=row.prompt_id,
-                    prompt=wire.prompt_to_proto(row.prompt, chat_template=self.spec.dataset.chat_template),
+                    prompt=self.prompt_proto(row),
                 )
             ],
-            sampling=wire.sampling_to_proto(self.spec.rollout.sampling),
+            sampling=wire.sampling_to_proto(sampling or self.spec.rollout.sampling),
         )
         failed = True
         try:
@@ -372,7 +429,8 @@ class RunPipeline:
         except grpc.aio.AioRpcError as exc:
             if is_invalid_prompt(exc):
                 failed = False
-                raise InvalidPrompt(f"{address}: {exc.details()}") from exc
+                too_long = wire.is_prompt_too_long(exc.details() or "")
+                raise InvalidPrompt(f"{address}: {exc.details()}", too_long=too_long) from exc
             raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             await self.replicas.release(address, failed=failed)
@@ -380,10 +438,24 @@ class RunPipeline:
             raise ReplicaFailed(f"{address}: the stream ended without samples")
         return sorted(samples, key=lambda s: s.sample_index)
 
-    async def score(self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]) -> list[ItemResult]:
-        base = {"prompt": row.prompt, "reference": row.reference, **row.metadata}
+    async def score(
+        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample], epoch: int = 0
+    ) -> list[ItemResult]:
+        """One Score call for a group's samples. Each item carries the dataset's columns (the reference
+        also under its own column name, as TRL passes it), the engine's token ids, the sample's policy
+        version and the prompt's epoch (a user reward function's `completion_ids` and `trainer_state`)."""
+        column = self.spec.dataset.reference_field
+        named = {column: row.reference} if column and column not in ITEM_COLUMNS else {}
+        base = {"prompt": row.prompt, "reference": row.reference, **named, **row.metadata, "epoch": epoch}
         items = [
-            {**base, "id": str(s.sample_index), "completion": s.text, "completion_tokens": len(s.token_ids)}
+            {
+                **base,
+                "id": str(s.sample_index),
+                "completion": s.text,
+                "completion_tokens": len(s.token_ids),
+                "completion_ids": list(s.token_ids),
+                "policy_version": s.policy_version,
+            }
             for s in samples
         ]
         return await self.reward.score(
@@ -391,7 +463,7 @@ class RunPipeline:
         )
 
     async def score_held(
-        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]
+        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample], epoch: int = 0
     ) -> list[ItemResult]:
         """Scores held samples, retrying with exponential backoff while the Score call fails (each retry
         counted in `score_retries`); the run status carries a warning from the first failure until a call
@@ -400,8 +472,8 @@ class RunPipeline:
         while True:
             cancel_point()
             try:
-                scores = await self.score(row, samples)
-            except grpc.aio.AioRpcError as exc:
+                scores = await self.score(row, samples, epoch)
+            except RewardServiceError as exc:
                 await self.reward_outage(exc)
                 await self.count(Counter.SCORE_RETRIES)
                 await asyncio.sleep(delay)
@@ -410,7 +482,7 @@ class RunPipeline:
             await self.reward_outage(None)
             return scores
 
-    async def reward_outage(self, error: grpc.aio.AioRpcError | None) -> None:
+    async def reward_outage(self, error: RewardServiceError | None) -> None:
         """Keeps the run's reward-outage warning in step with the last Score call (None: it succeeded).
         A pipeline without a run record (driven directly, as in tests) has no status to warn in."""
         warning = None if error is None else reward_warning(error)
@@ -422,7 +494,7 @@ class RunPipeline:
                 if previous is not None:
                     await self.store.remove_warning(self.run_id, previous)
                 if warning is not None and error is not None:
-                    log.warning("%s: %s", warning, error.details())
+                    log.warning("%s: %s", warning, error.details)
                     await self.store.add_warning(self.run_id, warning)
 
     async def finish_group(
@@ -432,10 +504,14 @@ class RunPipeline:
         samples: list[rollout_pb2.GeneratedSample],
         scores: list[ItemResult],
     ) -> None:
-        failed = [s for s in scores if s.status != "ok"]
+        failed = [s for s in scores if s.status not in ("ok", "not_applicable")]
         if failed:
             await self.count(Counter.SCORER_ERRORS, len(failed))
             await self.drop(item, DropReason.SCORER_ERROR, failed[0].message[:500])
+            return
+        unscored = [s for s in scores if s.status == "not_applicable"]
+        if unscored:  # no learning signal, as in TRL (which zeroes such samples' advantages)
+            await self.drop(item, DropReason.NOT_APPLICABLE, unscored[0].message[:500])
             return
         rewards = {s.reward for s in scores}
         if self.spec.rollout.dynamic_sampling and len(rewards) == 1:
@@ -499,11 +575,13 @@ class RunPipeline:
             except Exception:  # tolerated: Redis restarting; the next interval writes again
                 log.warning("could not store the scaling signal", exc_info=True)
 
-    # --- held-out evaluation ----------------------------------------------------------------------
+    # --- evaluation -------------------------------------------------------------------------------
 
-    async def evaluate_periodically(self, held_out: list[PromptRow]) -> None:
+    async def evaluate_periodically(self, rows: list[PromptRow], source: EvalSource) -> None:
+        """Every `dataset.eval_every_steps` learner steps, evaluates `rows` (the separate evaluation set,
+        or the held-out fraction: `source`)."""
         every = self.spec.dataset.eval_every_steps
-        if not every or not held_out:
+        if not every or not rows:
             return
         done = -1
         while True:
@@ -511,13 +589,15 @@ class RunPipeline:
             step = await self.learner_step()
             if step // every > done:
                 done = step // every
-                await self.evaluate(held_out, step)
+                await self.evaluate(rows, step, source)
             await asyncio.sleep(0.5)
 
-    async def evaluate(self, held_out: list[PromptRow], step: int) -> None:
-        """Scores the held-out prompts with the serving policy, all at once (so the result describes one
-        version, not several); never enqueued, never trained on."""
-        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in held_out))
+    async def evaluate(self, rows: list[PromptRow], step: int, source: EvalSource = "held_out") -> None:
+        """Scores the evaluation prompts with the serving policy and `dataset.eval`'s sampling, all at once
+        (so the result describes one version, not several); never enqueued, never trained on. Prompts
+        refused as too long are skipped from then on."""
+        rows = [r for r in rows if r.prompt_id not in self.eval_too_long]
+        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in rows))
         rewards = [r for rs, _ in outcomes for r in rs]
         versions = [v for _, vs in outcomes for v in vs]
         if rewards:
@@ -525,14 +605,23 @@ class RunPipeline:
                 "reward_mean": sum(rewards) / len(rewards),
                 "policy_version": min(versions),
                 "step": step,
+                "source": source,
+                "prompts": sum(1 for rs, _ in outcomes if rs),
+                "samples": len(rewards),
             }
             await self.redis.rpush(keys.eval_results(self.run_id), json.dumps(result))
 
     async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
-            samples = await self.generate(item, row)
+            samples = await self.generate(item, row, self.eval_sampling)
             scores = await self.score(row, samples)
-        except (ReplicaFailed, InvalidPrompt, grpc.aio.AioRpcError):  # tolerated: an evaluation is skipped
+        except InvalidPrompt as exc:
+            if exc.too_long:
+                self.eval_too_long.add(row.prompt_id)
+                await self.count(Counter.EVAL_PROMPTS_TOO_LONG)
+                await self.refused_as_too_long(row, str(exc))
+            return [], []
+        except (ReplicaFailed, RewardServiceError):  # tolerated: an evaluation is skipped
             return [], []
         return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]

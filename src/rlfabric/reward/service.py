@@ -144,6 +144,9 @@ def item_to_json(item: ScoreInput) -> dict[str, Any]:
         "completion": item.completion,
         "reference": item.reference,
         "metadata": item.metadata,
+        "completion_ids": item.completion_ids,
+        "policy_version": item.policy_version,
+        "epoch": item.epoch,
     }
 
 

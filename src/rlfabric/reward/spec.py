@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 from rlfabric.runspec import RewardSpec
 
-ScoreStatus = Literal["ok", "scorer_error", "timeout"]
-"""An item's outcome; every status but "ok" carries reward NaN."""
-SCORE_STATUSES: tuple[ScoreStatus, ...] = ("ok", "scorer_error", "timeout")
+ScoreStatus = Literal["ok", "scorer_error", "timeout", "not_applicable"]
+"""An item's outcome; every status but "ok" carries reward NaN. "not_applicable" is neither a reward nor a
+failure: every user reward function returned None for the item (TRL's meaning of None)."""
+SCORE_STATUSES: tuple[ScoreStatus, ...] = ("ok", "scorer_error", "timeout", "not_applicable")
 """Every `ScoreStatus`, in the proto enum's order."""
 Message = dict[str, Any]
 """One chat message: {"role": ..., "content": ...}."""
@@ -90,6 +91,8 @@ class ScoreInput:
     `prompt` is the rendered prompt text, or the chat messages (`[{"role": ..., "content": ...}]`) it was
     rendered from. `reference` is the gold answer (empty when the scorer needs none); `metadata` carries
     everything else a scorer may need (test cases, `completion_tokens`, dataset columns).
+    `completion_ids` are the completion's token ids when the engine's are known; `policy_version` and
+    `epoch` say where in a training run the completion came from (None outside one).
     """
 
     id: str
@@ -97,6 +100,9 @@ class ScoreInput:
     completion: str
     reference: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    completion_ids: list[int] | None = None
+    policy_version: int | None = None
+    epoch: int | None = None
 
     @property
     def prompt_text(self) -> str:
@@ -134,6 +140,11 @@ class ScoreResult:
     def timed_out(cls, message: str) -> ScoreResult:
         """An item past its deadline: reward NaN."""
         return cls(math.nan, {}, "timeout", message)
+
+    @classmethod
+    def not_applicable(cls, message: str, components: dict[str, float] | None = None) -> ScoreResult:
+        """An item the scorer does not apply to (TRL's None): reward NaN, and not a failure."""
+        return cls(math.nan, dict(components or {}), "not_applicable", message)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x18rlfabric/v1/common.proto\"\xa2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x17\n\ncompletion\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\treference\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\r\n\x0b_completion\"r\n\nScorerSpec\x12)\n\x05named\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.NamedScorerH\x00\x12\x31\n\tcomposite\x18\x02 \x01(\x0b\x32\x1c.rlfabric.v1.CompositeScorerH\x00\x42\x06\n\x04kind\"D\n\x0bNamedScorer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"=\n\x0f\x43ompositeScorer\x12*\n\x05parts\x18\x01 \x03(\x0b\x32\x1b.rlfabric.v1.WeightedScorer\"Y\n\x0eWeightedScorer\x12(\n\x06scorer\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.NamedScorer\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\r\n\x05\x61lias\x18\x03 \x01(\t\"|\n\x0cScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ScoreItem\x12\'\n\x06scorer\x18\x02 \x01(\x0b\x32\x17.rlfabric.v1.ScorerSpec\x12\x1c\n\x14item_timeout_seconds\x18\x03 \x01(\x01\"\x82\x01\n\tItemScore\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06reward\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Reward\x12\x13\n\x0bscorer_name\x18\x03 \x01(\t\x12\x16\n\x0escorer_version\x18\x04 \x01(\t\x12\x17\n\x0flatency_seconds\x18\x05 \x01(\x01\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ItemScore\"\x14\n\x12ListScorersRequest\"f\n\x0bScorerParam\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_json\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x10\n\x08required\x18\x05 \x01(\x08\"q\n\x11ScorerDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12(\n\x06params\x18\x04 \x03(\x0b\x32\x18.rlfabric.v1.ScorerParam\"F\n\x13ListScorersResponse\x12/\n\x07scorers\x18\x01 \x03(\x0b\x32\x1e.rlfabric.v1.ScorerDescription\"=\n\x12\x43heckScorerRequest\x12\'\n\x06scorer\x18\x01 \x01(\x0b\x32\x17.rlfabric.v1.ScorerSpec\".\n\rScorerProblem\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x13\x43heckScorerResponse\x12,\n\x08problems\x18\x01 \x03(\x0b\x32\x1a.rlfabric.v1.ScorerProblem2\xf3\x01\n\rRewardService\x12>\n\x05Score\x12\x19.rlfabric.v1.ScoreRequest\x1a\x1a.rlfabric.v1.ScoreResponse\x12P\n\x0bListScorers\x12\x1f.rlfabric.v1.ListScorersRequest\x1a .rlfabric.v1.ListScorersResponse\x12P\n\x0b\x43heckScorer\x12\x1f.rlfabric.v1.CheckScorerRequest\x1a .rlfabric.v1.CheckScorerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x18rlfabric/v1/common.proto\"\x9f\x02\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x17\n\ncompletion\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\treference\x18\x04 \x01(\t\x12)\n\x08metadata\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\x0e\x63ompletion_ids\x18\x06 \x01(\x0b\x32\x15.rlfabric.v1.TokenIds\x12\x1b\n\x0epolicy_version\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05\x65poch\x18\x08 \x01(\x03H\x02\x88\x01\x01\x42\r\n\x0b_completionB\x11\n\x0f_policy_versionB\x08\n\x06_epoch\"r\n\nScorerSpec\x12)\n\x05named\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.NamedScorerH\x00\x12\x31\n\tcomposite\x18\x02 \x01(\x0b\x32\x1c.rlfabric.v1.CompositeScorerH\x00\x42\x06\n\x04kind\"D\n\x0bNamedScorer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"=\n\x0f\x43ompositeScorer\x12*\n\x05parts\x18\x01 \x03(\x0b\x32\x1b.rlfabric.v1.WeightedScorer\"Y\n\x0eWeightedScorer\x12(\n\x06scorer\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.NamedScorer\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\r\n\x05\x61lias\x18\x03 \x01(\t\"|\n\x0cScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ScoreItem\x12\'\n\x06scorer\x18\x02 \x01(\x0b\x32\x17.rlfabric.v1.ScorerSpec\x12\x1c\n\x14item_timeout_seconds\x18\x03 \x01(\x01\"\x82\x01\n\tItemScore\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06reward\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Reward\x12\x13\n\x0bscorer_name\x18\x03 \x01(\t\x12\x16\n\x0escorer_version\x18\x04 \x01(\t\x12\x17\n\x0flatency_seconds\x18\x05 \x01(\x01\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlfabric.v1.ItemScore\"\x14\n\x12ListScorersRequest\"f\n\x0bScorerParam\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_json\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x10\n\x08required\x18\x05 \x01(\x08\"q\n\x11ScorerDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12(\n\x06params\x18\x04 \x03(\x0b\x32\x18.rlfabric.v1.ScorerParam\"F\n\x13ListScorersResponse\x12/\n\x07scorers\x18\x01 \x03(\x0b\x32\x1e.rlfabric.v1.ScorerDescription\"=\n\x12\x43heckScorerRequest\x12\'\n\x06scorer\x18\x01 \x01(\x0b\x32\x17.rlfabric.v1.ScorerSpec\".\n\rScorerProblem\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x13\x43heckScorerResponse\x12,\n\x08problems\x18\x01 \x03(\x0b\x32\x1a.rlfabric.v1.ScorerProblem2\xf3\x01\n\rRewardService\x12>\n\x05Score\x12\x19.rlfabric.v1.ScoreRequest\x1a\x1a.rlfabric.v1.ScoreResponse\x12P\n\x0bListScorers\x12\x1f.rlfabric.v1.ListScorersRequest\x1a .rlfabric.v1.ListScorersResponse\x12P\n\x0b\x43heckScorer\x12\x1f.rlfabric.v1.CheckScorerRequest\x1a .rlfabric.v1.CheckScorerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.reward_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREITEM']._serialized_start=98
-  _globals['_SCOREITEM']._serialized_end=260
-  _globals['_SCORERSPEC']._serialized_start=262
-  _globals['_SCORERSPEC']._serialized_end=376
-  _globals['_NAMEDSCORER']._serialized_start=378
-  _globals['_NAMEDSCORER']._serialized_end=446
-  _globals['_COMPOSITESCORER']._serialized_start=448
-  _globals['_COMPOSITESCORER']._serialized_end=509
-  _globals['_WEIGHTEDSCORER']._serialized_start=511
-  _globals['_WEIGHTEDSCORER']._serialized_end=600
-  _globals['_SCOREREQUEST']._serialized_start=602
-  _globals['_SCOREREQUEST']._serialized_end=726
-  _globals['_ITEMSCORE']._serialized_start=729
-  _globals['_ITEMSCORE']._serialized_end=859
-  _globals['_SCORERESPONSE']._serialized_start=861
-  _globals['_SCORERESPONSE']._serialized_end=917
-  _globals['_LISTSCORERSREQUEST']._serialized_start=919
-  _globals['_LISTSCORERSREQUEST']._serialized_end=939
-  _globals['_SCORERPARAM']._serialized_start=941
-  _globals['_SCORERPARAM']._serialized_end=1043
-  _globals['_SCORERDESCRIPTION']._serialized_start=1045
-  _globals['_SCORERDESCRIPTION']._serialized_end=1158
-  _globals['_LISTSCORERSRESPONSE']._serialized_start=1160
-  _globals['_LISTSCORERSRESPONSE']._serialized_end=1230
-  _globals['_CHECKSCORERREQUEST']._serialized_start=1232
-  _globals['_CHECKSCORERREQUEST']._serialized_end=1293
-  _globals['_SCORERPROBLEM']._serialized_start=1295
-  _globals['_SCORERPROBLEM']._serialized_end=1341
-  _globals['_CHECKSCORERRESPONSE']._serialized_start=1343
-  _globals['_CHECKSCORERRESPONSE']._serialized_end=1410
-  _globals['_REWARDSERVICE']._serialized_start=1413
-  _globals['_REWARDSERVICE']._serialized_end=1656
+  _globals['_SCOREITEM']._serialized_end=385
+  _globals['_SCORERSPEC']._serialized_start=387
+  _globals['_SCORERSPEC']._serialized_end=501
+  _globals['_NAMEDSCORER']._serialized_start=503
+  _globals['_NAMEDSCORER']._serialized_end=571
+  _globals['_COMPOSITESCORER']._serialized_start=573
+  _globals['_COMPOSITESCORER']._serialized_end=634
+  _globals['_WEIGHTEDSCORER']._serialized_start=636
+  _globals['_WEIGHTEDSCORER']._serialized_end=725
+  _globals['_SCOREREQUEST']._serialized_start=727
+  _globals['_SCOREREQUEST']._serialized_end=851
+  _globals['_ITEMSCORE']._serialized_start=854
+  _globals['_ITEMSCORE']._serialized_end=984
+  _globals['_SCORERESPONSE']._serialized_start=986
+  _globals['_SCORERESPONSE']._serialized_end=1042
+  _globals['_LISTSCORERSREQUEST']._serialized_start=1044
+  _globals['_LISTSCORERSREQUEST']._serialized_end=1064
+  _globals['_SCORERPARAM']._serialized_start=1066
+  _globals['_SCORERPARAM']._serialized_end=1168
+  _globals['_SCORERDESCRIPTION']._serialized_start=1170
+  _globals['_SCORERDESCRIPTION']._serialized_end=1283
+  _globals['_LISTSCORERSRESPONSE']._serialized_start=1285
+  _globals['_LISTSCORERSRESPONSE']._serialized_end=1355
+  _globals['_CHECKSCORERREQUEST']._serialized_start=1357
+  _globals['_CHECKSCORERREQUEST']._serialized_end=1418
+  _globals['_SCORERPROBLEM']._serialized_start=1420
+  _globals['_SCORERPROBLEM']._serialized_end=1466
+  _globals['_CHECKSCORERRESPONSE']._serialized_start=1468
+  _globals['_CHECKSCORERRESPONSE']._serialized_end=1535
+  _globals['_REWARDSERVICE']._serialized_start=1538
+  _globals['_REWARDSERVICE']._serialized_end=1781
 # @@protoc_insertion_point(module_scope)

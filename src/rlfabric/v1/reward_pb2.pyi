@@ -9,18 +9,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("id", "prompt", "completion", "reference", "metadata")
+    __slots__ = ("id", "prompt", "completion", "reference", "metadata", "completion_ids", "policy_version", "epoch")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt: _common_pb2.Prompt
     completion: str
     reference: str
     metadata: _struct_pb2.Struct
-    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    completion_ids: _common_pb2.TokenIds
+    policy_version: int
+    epoch: int
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., completion_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., policy_version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ScorerSpec(_message.Message):
     __slots__ = ("named", "composite")
