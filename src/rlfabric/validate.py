@@ -5,10 +5,13 @@ The schema (`RunSpec`) says whether a run file is well formed; this module says 
 
     scorer    the scorer exists and its parameters validate (`scorer_issues` maps the reward service's or
               the registry's `ScorerProblem`s onto the run file's fields)
-    paths     each model path exists, or is a well-formed hub id; the dataset path exists
+    paths     each model path exists, or is a well-formed hub id; the dataset path and the evaluation
+              set's path (`dataset.eval.path`) exist, or are hub ids
     models    each local model's config.json and the policy's tokenizer load (no weights), where
               transformers is installed; otherwise the check is skipped and the report says why
-    dataset   the columns the run reads exist in the first rows; the first prompts fit the context
+    dataset   the training split (and a separate evaluation split) of a local dataset reads, through
+              `rlfabric.data` as the run reads it; the columns the run reads exist in its first rows;
+              the first training prompts fit the context. Hub datasets are not downloaded here
 
 Every issue names the run-spec field it is about (`SpecIssue.field`, dotted, e.g. `reward.params.pattern`).
 Light by design: no torch, grpc or scorer import; transformers only inside `check_models`.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfabric.coordinator.dataset import DatasetError, read_records
+from rlfabric.data import DatasetError, Source, eval_source, read_records, training_source
 from rlfabric.reward.check import check_scorer_locally
 from rlfabric.reward.spec import ScorerProblem
 from rlfabric.runspec import RunSpec
@@ -110,7 +113,7 @@ def model_fields(spec: RunSpec) -> dict[str, str]:
 
 
 def check_paths(spec: RunSpec) -> CheckReport:
-    """Model paths exist as folders or are hub ids; the dataset path exists (or is a hub id)."""
+    """Model paths exist as folders or are hub ids; the dataset paths exist (or are hub ids)."""
     report = CheckReport()
     for name, path in model_fields(spec).items():
         local = Path(path)
@@ -119,13 +122,22 @@ def check_paths(spec: RunSpec) -> CheckReport:
         elif not local.exists() and not is_hub_id(path):
             message = f"no folder {path!r}, and it is not a hub id (org/name)"
             report.issues.append(SpecIssue(name, message, "not_found"))
-    data = spec.dataset.path
-    if not Path(data).exists():
+    for name, data in data_fields(spec).items():
+        if Path(data).exists():
+            continue
         if is_hub_id(data):
-            report.skipped.append(f"dataset.path {data!r} is a hub id: its columns are not checked here")
+            report.skipped.append(f"{name} {data!r} is a hub id: its columns are not checked here")
         else:
-            report.issues.append(SpecIssue("dataset.path", f"no such file or folder {data!r}", "not_found"))
+            report.issues.append(SpecIssue(name, f"no such file or folder {data!r}", "not_found"))
     return report
+
+
+def data_fields(spec: RunSpec) -> dict[str, str]:
+    """Every dataset path the spec names, by field."""
+    named = {"dataset.path": spec.dataset.path}
+    if spec.dataset.eval.path is not None:
+        named["dataset.eval.path"] = spec.dataset.eval.path
+    return named
 
 
 # -- models ---------------------------------------------------------------------------------------------
@@ -208,30 +220,46 @@ def column_fields(spec: RunSpec) -> dict[str, str]:
 
 
 def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) -> CheckReport:
-    """The first `rows` rows hold every column the run reads; with a tokenizer, their prompts fit."""
-    report = CheckReport()
-    path = Path(spec.dataset.path)
-    if not path.exists():
-        return report  # check_paths reported it (or skipped a hub id)
-    try:
-        records = read_records(path)[:rows]
-    except DatasetError as exc:
-        return CheckReport(issues=[SpecIssue("dataset.path", str(exc), "unreadable")])
-    if not records:
-        return CheckReport(issues=[SpecIssue("dataset.path", f"{path}: the dataset is empty", "empty")])
+    """The first `rows` rows of the training split (and of a separate evaluation split) hold every column
+    the run reads; with a tokenizer, the training prompts fit. Sources not on this machine (hub ids)
+    are left out: `check_paths` reported or skipped them."""
+    records, report = first_records(training_source(spec.dataset), rows)
+    if records is None:
+        return report
     report.issues += missing_columns(spec, records)
+    if spec.dataset.eval.separate and uses_reward(spec):
+        evaluated, eval_report = first_records(eval_source(spec.dataset), rows)
+        report.extend(eval_report)
+        if evaluated is not None:
+            report.issues += missing_columns(spec, evaluated, within="the evaluation set")
     if tokenizer is not None and not report.issues:
         report.extend(check_prompt_lengths(spec, records, tokenizer))
     return report
 
 
-def missing_columns(spec: RunSpec, records: Sequence[Any]) -> list[SpecIssue]:
-    """One issue per column the run reads that a row lacks (the first such row named)."""
+def first_records(source: Source, rows: int) -> tuple[list[Any] | None, CheckReport]:
+    """The first `rows` rows of a local source's split, or None with the issue that keeps them from being
+    read (no issue for a source that is not local)."""
+    if not Path(source.path).exists():
+        return None, CheckReport()
+    try:
+        records = read_records(source)[:rows]
+    except DatasetError as exc:
+        return None, CheckReport(issues=[SpecIssue(f"{source.field}.path", str(exc), "unreadable")])
+    if not records:
+        message = f"{source.path}: the split {source.split!r} is empty"
+        return None, CheckReport(issues=[SpecIssue(f"{source.field}.path", message, "empty")])
+    return records, CheckReport()
+
+
+def missing_columns(spec: RunSpec, records: Sequence[Any], within: str = "the dataset") -> list[SpecIssue]:
+    """One issue per column the run reads that a row lacks (the first such row named); `within` names
+    the set in the message."""
     issues = []
     for name, column in column_fields(spec).items():
         lacking = [i for i, r in enumerate(records, 1) if not isinstance(r, dict) or column not in r]
         if lacking:
-            message = f"column {column!r} is missing from row {lacking[0]} of the dataset"
+            message = f"column {column!r} is missing from row {lacking[0]} of {within}"
             issues.append(SpecIssue(name, message, "missing_column"))
     return issues
 

@@ -108,3 +108,44 @@ def test_ppo_is_the_name_of_gae_and_every_registered_estimator_is_selectable() -
     assert set(names) == set(ADVANTAGE_ESTIMATORS)
     for name in ADVANTAGE_ESTIMATORS:
         assert AlgorithmSpec.model_validate({"advantage": name}).advantage == name
+
+
+def save_splits(folder: Path, train: list[dict[str, Any]], test: list[dict[str, Any]]) -> Path:
+    """A `save_to_disk` DatasetDict with a train and a test split."""
+    import datasets
+
+    splits = {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return folder
+
+
+def test_the_dataset_is_read_with_its_split_as_the_run_reads_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = [{"prompt": "what is 2+2?", "answer": "4"}]
+    folder = save_splits(tmp_path / "saved", rows, [{"question": "q", "answer": "1"}])
+    assert check_local(spec(tiny_model_dir, folder)).ok
+    test_split = check_local(spec(tiny_model_dir, folder, dataset={"path": str(folder), "split": "test"}))
+    assert [(i.field, i.kind) for i in test_split.issues] == [("dataset.prompt_field", "missing_column")]
+    missing = check_local(spec(tiny_model_dir, folder, dataset={"path": str(folder), "split": "dev"}))
+    assert [(i.field, i.kind) for i in missing.issues] == [("dataset.path", "unreadable")]
+    assert "no split 'dev'" in missing.issues[0].message
+
+
+def test_the_evaluation_set_must_exist_and_hold_the_columns(
+    tiny_model_dir: Path, data: Path, tmp_path: Path
+) -> None:
+    def with_eval(**evaluation: Any) -> RunSpec:
+        return spec(tiny_model_dir, data, dataset={"path": str(data), "eval": evaluation})
+
+    absent = check_local(with_eval(path=str(tmp_path / "no-eval.jsonl")))
+    assert [(i.field, i.kind) for i in absent.issues] == [("dataset.eval.path", "not_found")]
+    hub = check_local(with_eval(path="some-org/some-eval-set"))
+    assert hub.ok and any(s.startswith("dataset.eval.path") for s in hub.skipped)
+    other = tmp_path / "eval.parquet"
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "q", "answer": "1"}]).to_parquet(str(other))
+    wrong = check_local(with_eval(path=str(other)))
+    assert [(i.field, i.kind) for i in wrong.issues] == [("dataset.prompt_field", "missing_column")]
+    assert "the evaluation set" in wrong.issues[0].message
+    datasets.Dataset.from_list([{"prompt": "q", "answer": "1"}]).to_parquet(str(other))
+    assert check_local(with_eval(path=str(other))).ok

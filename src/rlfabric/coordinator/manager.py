@@ -21,12 +21,12 @@ from rlfabric.contracts import keys
 from rlfabric.contracts.keys import StopReason
 from rlfabric.coordinator.checks import model_warning, reward_warning
 from rlfabric.coordinator.config import CoordinatorServiceConfig
-from rlfabric.coordinator.dataset import DatasetError
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.offline import watch_offline
 from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunState, RunStore
+from rlfabric.data import DatasetError
 from rlfabric.runtime.aio import cancel_point
 
 log = logging.getLogger(__name__)

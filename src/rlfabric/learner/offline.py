@@ -1,4 +1,4 @@
-"""The offline preference run (`run.mode = "offline_preference"`): DPO or IPO on a fixed JSONL dataset.
+"""The offline preference run (`run.mode = "offline_preference"`): DPO or IPO on a fixed dataset of pairs.
 
 No rollout or reward service is involved; checkpoints and published weights are the online learner's, so
 replicas and evaluation read the result the same way. Redis only with `report_to_redis` (a run submitted
@@ -23,7 +23,9 @@ A crash after step s resumes from the last checkpoint c <= s and retrains steps 
 from the same model: each pair is applied exactly once in the surviving lineage (metrics.jsonl keeps the
 rows of the abandoned steps; the last row of each step is the one that counts).
 
-Dataset rows: `dataset.prompt_field` holds a string or a list of {role, content} messages;
+Dataset rows are read by `rlfabric.data`, as the coordinator reads prompts: a JSONL, JSON, Parquet or CSV
+file, a `save_to_disk` folder, a folder of data files or a hub id, with `dataset.split` (and `name`,
+`revision`). `dataset.prompt_field` holds a string or a list of {role, content} messages;
 `preference.chosen_field` and `preference.rejected_field` hold strings. With `dataset.chat_template` the
 prompt is rendered with the model's chat template (a string becomes one user message) and each completion
 ends with the tokenizer's EOS token. `dataset.held_out_fraction` and `eval_every_steps` are not used here.
@@ -42,13 +44,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlfabric.contracts import keys
 from rlfabric.contracts.metrics import append_row
+from rlfabric.data import DatasetError, read_records, training_source
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, all_reduce_max, destroy_distributed, init_distributed
@@ -71,13 +73,14 @@ READY_LINE = "rlfabric offline learner started"
 # -- dataset --------------------------------------------------------------------------------------------
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file (blank lines skipped)."""
-    path = Path(path)
-    if path.suffix != ".jsonl":
-        raise ValueError(f"offline preference datasets are JSONL files, got {path}")
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_pairs(spec: RunSpec) -> list[dict[str, Any]]:
+    """The rows of the training split (`rlfabric.data`); `DatasetError` for a missing, unreadable or
+    empty one."""
+    source = training_source(spec.dataset)
+    rows = read_records(source)
+    if not rows:
+        raise DatasetError(f"dataset.path {source.path}: the split {source.split!r} is empty")
+    return rows
 
 
 class PairTokenizer:
@@ -107,11 +110,11 @@ class PairTokenizer:
 
 
 def load_pairs(spec: RunSpec) -> list[PreferencePair]:
-    """Every row of `spec.dataset.path` as a tokenised pair; the pair id is the row's index in the file."""
+    """Every row of the dataset's split as a tokenised pair; the pair id is the row's index in the split."""
     data, pref = spec.dataset, spec.preference
     tok = PairTokenizer(spec.model.path, data.chat_template, spec.model.max_model_len)
     pairs = []
-    for index, row in enumerate(read_jsonl(data.path)):
+    for index, row in enumerate(read_pairs(spec)):
         prompt = tok.prompt(row[data.prompt_field])
         if len(prompt) >= spec.model.max_model_len:
             raise ValueError(f"row {index}: the prompt alone fills model.max_model_len")

@@ -1,5 +1,6 @@
-"""The offline preference run end to end on the tiny model and a JSONL file: metrics, published versions,
-2 gloo ranks training like 1, and a SIGKILLed run resuming with no pair trained twice.
+"""The offline preference run end to end on the tiny model and a JSONL file (a Parquet file and a saved
+split load the same pairs): metrics, published versions, 2 gloo ranks training like 1, and a SIGKILLed
+run resuming with no pair trained twice.
 
 Runs `serve_offline` in subprocesses (a plain process, or torchrun for 2 ranks) and `run_offline` in this
 process (a world of one), each with one intra-op thread.
@@ -145,6 +146,28 @@ def test_pairs_are_tokenised_with_the_chat_template(tiny_model_dir: Path, datase
     assert [p.pair_id for p in order[:24]] != [str(i) for i in range(24)]
     assert sorted(p.pair_id for p in order[24:]) == sorted(str(i) for i in range(24))
     assert order[:24] != order[24:]  # each epoch has its own shuffle
+
+
+def test_pairs_load_from_parquet_and_saved_splits_as_from_jsonl(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path
+) -> None:
+    """The pairs read through `rlfabric.data`, as the coordinator reads prompts: a Parquet file and a
+    split of a `save_to_disk` DatasetDict give the pairs the JSONL file gives."""
+    import datasets
+
+    rows = [json.loads(line) for line in dataset.read_text().splitlines()][:23]  # Arrow: one prompt type
+    jsonl = tmp_path / "prefs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = load_pairs(make_config(tiny_model_dir, jsonl, tmp_path).run)
+    parquet = tmp_path / "prefs.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    assert load_pairs(make_config(tiny_model_dir, parquet, tmp_path).run) == expected
+    saved = tmp_path / "saved"
+    splits = {"train": datasets.Dataset.from_list(rows[:1]), "test": datasets.Dataset.from_list(rows)}
+    datasets.DatasetDict(splits).save_to_disk(str(saved))
+    run = make_config(tiny_model_dir, saved, tmp_path).run
+    run = run.model_copy(update={"dataset": run.dataset.model_copy(update={"split": "test"})})
+    assert load_pairs(run) == expected
 
 
 def test_run_writes_metrics_checkpoints_and_versions(runs: dict[int, Path]) -> None:
