@@ -495,6 +495,7 @@ def group_samples_from_proto(group: queue_pb2.ScoredGroup) -> GroupSamples:
             reward=s.reward.value,
             finish_reason=finish_reason_from_proto(s.finish_reason),
             policy_version=s.policy_version,
+            components=dict(s.reward.components),
         )
         for s in sorted(group.samples, key=lambda s: s.sample_index)
     ]

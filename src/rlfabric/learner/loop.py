@@ -8,7 +8,7 @@
       1. collect   rank 0 reads groups_per_step fresh groups (stale ones are dropped, recorded, acked;
                    those of rolled-back versions are handed back to the coordinator to generate again)
       2. share     rank 0 sends the groups' protobuf bytes to every rank (a byte tensor, never pickle)
-      3. train     Trainer.train_step on every rank (FSDP2)
+      3. train     Trainer.train_step on every rank (FSDP2); the reward components' means join the metrics
       4. persist   every checkpoint_every steps: checkpoint with the ledger, then ack the entries it covers
       5. publish   gather the full weights, write version v to the object store, announce it
       6. report    metrics.jsonl, Prometheus, LearnerService.GetStatus
@@ -40,6 +40,7 @@ from rlfabric.learner.leader import Leader
 from rlfabric.learner.outputs import RunPaths
 from rlfabric.learner.queue import AppliedLedger, Delivery
 from rlfabric.learner.restart import checkpoint, restore
+from rlfabric.learner.samples import component_means
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints, telemetry
 from rlfabric.v1 import learner_pb2, queue_pb2
@@ -123,6 +124,7 @@ class TrainingLoop:
         self.set_state(learner_pb2.LEARNER_STATE_TRAINING)
         start = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics.update(component_means(groups))
         metrics["step_seconds"] = time.perf_counter() - start
         self.ledger.update(g.group_id for g in groups)
         self.applied_log.extend([self.trainer.step, g.group_id] for g in groups)

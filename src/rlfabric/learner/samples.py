@@ -6,7 +6,12 @@ them from a `ScoredGroup` without loading torch; `batch.py` re-exports them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+COMPONENT_PREFIX = "reward/"
+"""Metrics-row prefix of a reward component's per-step mean (`reward/<component>`)."""
 
 
 @dataclass
@@ -23,6 +28,9 @@ class Rollout:
     """"stop" or "length" (cut at max_tokens), as the engine reported it."""
     policy_version: int = 0
     """Policy version at dispatch."""
+    components: dict[str, float] = field(default_factory=dict)
+    """The reward's named parts, as the scorer reported them: a composite's parts, each TRL reward
+    function's own reward (`<function>`) and what it logged (`<function>/<name>`)."""
 
 
 @dataclass
@@ -44,3 +52,13 @@ class GroupSamples:
                 raise ValueError(
                     f"group {self.group_id!r}: {len(r.token_ids)} tokens but {len(r.logprobs)} logprobs"
                 )
+
+
+def component_means(groups: Sequence[GroupSamples]) -> dict[str, float]:
+    """Each reward component's mean over the step's samples that carry it, as `reward/<component>`."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for group in groups:
+        for rollout in group.rollouts:
+            for name, value in rollout.components.items():
+                values[name].append(value)
+    return {f"{COMPONENT_PREFIX}{name}": sum(v) / len(v) for name, v in sorted(values.items())}
