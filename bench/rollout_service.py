@@ -320,13 +320,14 @@ def update_object_store(stub: Any, root: Path, version: int, sd: dict[str, Any])
 
 
 def update_broadcast(stub: Any, version: int, sd: dict[str, Any]) -> dict[str, float]:
+    from rlfabric.contracts import wire
     from rlfabric.v1 import rollout_pb2
     from rlfabric.weights import broadcast
 
     port, metas = free_port(), broadcast.metas_from_state_dict(sd)
     source = rollout_pb2.BroadcastSource(
         master_address=HOST, master_port=port, rank=1, world_size=2, backend="gloo",
-        tensors=broadcast.metas_to_proto(metas),
+        tensors=wire.metas_to_proto(metas),
     )  # fmt: skip
     sent: dict[str, Any] = {}
 

@@ -177,7 +177,7 @@ async def test_reflection_lists_and_describes_the_services(running: Running) -> 
             database = ProtoReflectionDescriptorDatabase(sync_channel)
             return [m.name for m in database.FindFileContainingSymbol(REWARD).service[0].method]
 
-    assert await asyncio.to_thread(describe) == ["Score", "ListScorers"]
+    assert await asyncio.to_thread(describe) == ["Score", "ListScorers", "CheckScorer"]
 
 
 async def test_load_past_the_limit_is_shed_while_health_answers(running: Running) -> None:
