@@ -13,9 +13,11 @@
 
 A replica that fails mid-generation is excluded for a while and the group is re-dispatched elsewhere
 (counted). A prompt the replica refuses as invalid (INVALID_ARGUMENT naming `prompts[i]`: longer than the
-context, empty) is dropped with the reason `invalid_prompt`, never retried and never blamed on the replica.
+context, empty) is dropped with the reason `prompt_too_long` or `invalid_prompt`, never retried and never
+blamed on the replica.
 Generated samples are held until they are enqueued: a reward service that fails is retried with backoff
-(`score_retries`, and a warning in the run status while it lasts), never answered by generating again.
+(`score_retries`, and a warning in the run status while it lasts: `scoring.GroupScorer`), never answered
+by generating again. Held-out evaluation runs beside the loop (`evaluation.Evaluator`).
 Acknowledged stream entries are trimmed periodically (their summaries kept, see `streams.trim_acknowledged`).
 Every drop is recorded in `keys.dropped` with its `DropReason`, so the books balance: each drawn
 prompt is enqueued once, dropped with a reason, or still in flight.
@@ -29,7 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -37,7 +39,9 @@ import grpc
 from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
-from rlfabric.coordinator.dataset import EvalSource, PromptCursor, PromptRow, chat_prompt, load_prompt_sets
+from rlfabric.coordinator.dataset import PromptCursor, PromptRow, chat_prompt, load_prompt_sets
+from rlfabric.coordinator.evaluation import Evaluator
+from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
 from rlfabric.coordinator.replicas import ReplicaPool
 from rlfabric.coordinator.runs import RunNotFound, RunState, RunStore
 from rlfabric.coordinator.scaling import (
@@ -48,8 +52,8 @@ from rlfabric.coordinator.scaling import (
     export_scaling_gauges,
     scaling_signal,
 )
-from rlfabric.reward.client import ITEM_COLUMNS, AsyncRewardClient, RewardServiceError
-from rlfabric.reward.spec import ItemResult, spec_from_reward_spec
+from rlfabric.coordinator.scoring import GroupScorer
+from rlfabric.reward.spec import ItemResult
 from rlfabric.runspec import RunSpec, SamplingSpec
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
@@ -59,10 +63,6 @@ log = logging.getLogger(__name__)
 
 GENERATE_TIMEOUT_S = 600.0
 
-SCORE_RETRY_FIRST_S = 0.5
-"""After a failed Score call a held group waits this long before scoring again; the wait doubles each time."""
-SCORE_RETRY_MAX_S = 10.0
-"""Longest wait between two Score attempts of a held group."""
 TRIM_INTERVAL_S = 5.0
 """How often acknowledged entries are trimmed from the groups stream."""
 ENQUEUE_POLL_S = 0.1
@@ -72,21 +72,6 @@ INVALID_PROMPT_FIELD = "prompts["
 TOO_LONG_WARNING = "prompts too long for the context are dropped"
 """Start of the run-status warning shown once a prompt was refused as longer than `max_model_len -
 max_tokens` (each such prompt is dropped with the reason `prompt_too_long` and never dispatched again)."""
-REWARD_WARNING = "reward service unreachable"
-"""Start of the run-status warning shown while Score calls fail."""
-REWARD_REFUSAL = "reward service refuses the run's scorer"
-"""Start of the warning shown instead while the service refuses the run's scorer (`REFUSAL_CODES`)."""
-REFUSAL_CODES = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    }
-)
-"""Score failures that are the run's configuration, not an outage: the warning gives the service's reason
-(retrying goes on, so a reward service restarted with the right settings picks the run up)."""
-
 # Each record and its counter change in one script, keyed by the group id, so neither a coordinator killed
 # between two commands nor a command retried after its reply was lost (a Redis restart) leaves the books
 # off by one.
@@ -122,50 +107,11 @@ return 1
 """
 
 
-@dataclass
-class InFlight:
-    """A group taken from the cursor and not yet enqueued or dropped (persisted in Redis)."""
-
-    group_id: str
-    prompt_id: str
-    epoch: int
-    position: int
-    attempts: int = 0
-
-
-class ReplicaFailed(RuntimeError):
-    """Generation failed on one replica (it died, was refused, timed out): re-dispatch the group."""
-
-
-class InvalidPrompt(ValueError):
-    """The replica refused the prompt itself (too long for the context, empty): drop the group, never
-    retry it and never blame the replica. `too_long`: the refusal says the prompt leaves no room for
-    `max_tokens` (`wire.is_prompt_too_long`)."""
-
-    def __init__(self, message: str, *, too_long: bool = False) -> None:
-        super().__init__(message)
-        self.too_long = too_long
-
-
-def reward_warning(error: RewardServiceError) -> str:
-    """The run-status warning for a failed Score call: a refusal names the service's reason (the field and
-    why, never file contents: the reward service's messages are written so), an outage its status code."""
-    if error.code in REFUSAL_CODES:
-        return f"{REWARD_REFUSAL} ({error.code.name}): {error.details}; groups hold their samples"
-    return f"{REWARD_WARNING} ({error.code.name}); groups hold their samples"
-
-
 def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
     """INVALID_ARGUMENT naming a prompt (`prompts[i]...`, the replica's field-naming convention); other
     INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
     details = error.details() or ""
     return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
-
-
-def eval_sampling(spec: RunSpec) -> SamplingSpec:
-    """The run's sampling with `dataset.eval`'s overrides (samples per prompt, temperature)."""
-    overrides = {"n": spec.dataset.eval.n, "temperature": spec.dataset.eval.temperature}
-    return spec.rollout.sampling.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
 class RunPipeline:
@@ -183,10 +129,6 @@ class RunPipeline:
         reward_token: str | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
-        self.reward = AsyncRewardClient(
-            reward_address, timeout_s=spec.reward.item_timeout_s * 4 + 30, token=reward_token
-        )
-        self.reward_spec = spec_from_reward_spec(spec.reward)
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
         self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter)
@@ -197,12 +139,11 @@ class RunPipeline:
         self.rows: dict[str, PromptRow] = {}
         self.too_long: set[str] = set()
         """Training prompt ids a replica refused as too long: never dispatched again."""
-        self.eval_too_long: set[str] = set()
-        """The same for evaluation prompt ids (never evaluated again)."""
-        self.eval_sampling = eval_sampling(spec)
         self.store = RunStore(redis)
-        self.reward_warning: str | None = None
-        self.warning_lock = asyncio.Lock()
+        self.scorer = GroupScorer(
+            run_id, spec, self.store, reward_address, self.count_score_retry, token=reward_token
+        )
+        self.evaluator = Evaluator(self, self.scorer.score)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -215,6 +156,9 @@ class RunPipeline:
         names = [keys.dropped(run), keys.dropped_ids(run), keys.inflight(run), keys.counters(run)]
         args = [item.group_id, item.prompt_id, reason.value, detail, reason.counter.value]
         await self.drop_once(keys=names, args=args)
+
+    async def count_score_retry(self) -> None:
+        await self.count(Counter.SCORE_RETRIES)
 
     async def learner_step(self) -> int:
         return int(await self.redis.get(keys.step(self.run_id)) or 0)
@@ -233,7 +177,7 @@ class RunPipeline:
         loop = asyncio.get_running_loop()
         helpers = [
             loop.create_task(self.replicas.watch()),
-            loop.create_task(self.evaluate_periodically(sets.evaluation, sets.eval_source)),
+            loop.create_task(self.evaluator.run(sets.evaluation, sets.eval_source)),
             loop.create_task(self.export_scaling_periodically()),
             loop.create_task(self.trim_periodically()),
         ]
@@ -246,7 +190,7 @@ class RunPipeline:
             for task in self.in_flight.values():
                 task.cancel()
             await self.replicas.close()
-            await self.reward.close()
+            await self.scorer.close()
 
     async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> RunState:
         pending = await self.leftovers()
@@ -343,7 +287,7 @@ class RunPipeline:
                     if samples is None:
                         samples = await self.generate_group(item, row)
                     if samples:  # [] when dropped as invalid
-                        scores = await self.score_held(row, samples, item.epoch)
+                        scores = await self.scorer.score_held(row, samples, item.epoch)
                         await self.finish_group(item, row, samples, scores)
                 break
             except Exception:
@@ -438,65 +382,6 @@ class RunPipeline:
             raise ReplicaFailed(f"{address}: the stream ended without samples")
         return sorted(samples, key=lambda s: s.sample_index)
 
-    async def score(
-        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample], epoch: int = 0
-    ) -> list[ItemResult]:
-        """One Score call for a group's samples. Each item carries the dataset's columns (the reference
-        also under its own column name, as TRL passes it), the engine's token ids, the sample's policy
-        version and the prompt's epoch (a user reward function's `completion_ids` and `trainer_state`)."""
-        column = self.spec.dataset.reference_field
-        named = {column: row.reference} if column and column not in ITEM_COLUMNS else {}
-        base = {"prompt": row.prompt, "reference": row.reference, **named, **row.metadata, "epoch": epoch}
-        items = [
-            {
-                **base,
-                "id": str(s.sample_index),
-                "completion": s.text,
-                "completion_tokens": len(s.token_ids),
-                "completion_ids": list(s.token_ids),
-                "policy_version": s.policy_version,
-            }
-            for s in samples
-        ]
-        return await self.reward.score(
-            items, self.reward_spec, item_timeout_s=self.spec.reward.item_timeout_s
-        )
-
-    async def score_held(
-        self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample], epoch: int = 0
-    ) -> list[ItemResult]:
-        """Scores held samples, retrying with exponential backoff while the Score call fails (each retry
-        counted in `score_retries`); the run status carries a warning from the first failure until a call
-        succeeds again. A scorer's own failure is not a call failure: it comes back as an item status."""
-        delay = SCORE_RETRY_FIRST_S
-        while True:
-            cancel_point()
-            try:
-                scores = await self.score(row, samples, epoch)
-            except RewardServiceError as exc:
-                await self.reward_outage(exc)
-                await self.count(Counter.SCORE_RETRIES)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, SCORE_RETRY_MAX_S)
-                continue
-            await self.reward_outage(None)
-            return scores
-
-    async def reward_outage(self, error: RewardServiceError | None) -> None:
-        """Keeps the run's reward-outage warning in step with the last Score call (None: it succeeded).
-        A pipeline without a run record (driven directly, as in tests) has no status to warn in."""
-        warning = None if error is None else reward_warning(error)
-        if warning == self.reward_warning:
-            return
-        async with self.warning_lock:
-            previous, self.reward_warning = self.reward_warning, warning
-            with contextlib.suppress(RunNotFound):
-                if previous is not None:
-                    await self.store.remove_warning(self.run_id, previous)
-                if warning is not None and error is not None:
-                    log.warning("%s: %s", warning, error.details)
-                    await self.store.add_warning(self.run_id, warning)
-
     async def finish_group(
         self,
         item: InFlight,
@@ -574,54 +459,3 @@ class RunPipeline:
                 await self.redis.hset(keys.scaling(self.run_id), mapping={**fields, "time": str(time.time())})
             except Exception:  # tolerated: Redis restarting; the next interval writes again
                 log.warning("could not store the scaling signal", exc_info=True)
-
-    # --- evaluation -------------------------------------------------------------------------------
-
-    async def evaluate_periodically(self, rows: list[PromptRow], source: EvalSource) -> None:
-        """Every `dataset.eval_every_steps` learner steps, evaluates `rows` (the separate evaluation set,
-        or the held-out fraction: `source`)."""
-        every = self.spec.dataset.eval_every_steps
-        if not every or not rows:
-            return
-        done = -1
-        while True:
-            cancel_point()
-            step = await self.learner_step()
-            if step // every > done:
-                done = step // every
-                await self.evaluate(rows, step, source)
-            await asyncio.sleep(0.5)
-
-    async def evaluate(self, rows: list[PromptRow], step: int, source: EvalSource = "held_out") -> None:
-        """Scores the evaluation prompts with the serving policy and `dataset.eval`'s sampling, all at once
-        (so the result describes one version, not several); never enqueued, never trained on. Prompts
-        refused as too long are skipped from then on."""
-        rows = [r for r in rows if r.prompt_id not in self.eval_too_long]
-        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in rows))
-        rewards = [r for rs, _ in outcomes for r in rs]
-        versions = [v for _, vs in outcomes for v in vs]
-        if rewards:
-            result = {
-                "reward_mean": sum(rewards) / len(rewards),
-                "policy_version": min(versions),
-                "step": step,
-                "source": source,
-                "prompts": sum(1 for rs, _ in outcomes if rs),
-                "samples": len(rewards),
-            }
-            await self.redis.rpush(keys.eval_results(self.run_id), json.dumps(result))
-
-    async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
-        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
-        try:
-            samples = await self.generate(item, row, self.eval_sampling)
-            scores = await self.score(row, samples)
-        except InvalidPrompt as exc:
-            if exc.too_long:
-                self.eval_too_long.add(row.prompt_id)
-                await self.count(Counter.EVAL_PROMPTS_TOO_LONG)
-                await self.refused_as_too_long(row, str(exc))
-            return [], []
-        except (ReplicaFailed, RewardServiceError):  # tolerated: an evaluation is skipped
-            return [], []
-        return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]

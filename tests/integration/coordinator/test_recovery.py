@@ -22,8 +22,10 @@ import redis.asyncio as aioredis
 from rlfabric.contracts import keys
 from rlfabric.contracts.streams import ensure_consumer_group
 from rlfabric.coordinator.dataset import PromptRow
-from rlfabric.coordinator.pipeline import REWARD_WARNING, InFlight, RunPipeline
+from rlfabric.coordinator.inflight import InFlight
+from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.coordinator.runs import RunStore
+from rlfabric.coordinator.scoring import REWARD_WARNING
 from rlfabric.learner.queue import GroupConsumer
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.reward.spec import ItemResult
@@ -212,5 +214,5 @@ async def test_redis_memory_stays_flat_over_many_groups(
     assert (await counters(redis))["stream_trimmed"] >= 1150
     assert grown < 0.1 * payload, (grown, payload)  # bookkeeping only (ids, summaries), no payloads
     await assert_books_balance(redis, drawn=False)
-    await pipeline.reward.close()
+    await pipeline.scorer.close()
     await redis.aclose()

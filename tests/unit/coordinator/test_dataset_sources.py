@@ -20,7 +20,7 @@ from rlfabric.coordinator.dataset import (
     load_prompt_sets,
     load_rows,
 )
-from rlfabric.coordinator.pipeline import eval_sampling
+from rlfabric.coordinator.evaluation import eval_sampling
 from rlfabric.runspec import DatasetSpec, RunSpec
 
 ROWS = [{"id": f"r{i}", "prompt": f"say {i}", "answer": str(i)} for i in range(6)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc.aio import AioRpcError, Metadata
 
-from rlfabric.coordinator.pipeline import REWARD_REFUSAL, REWARD_WARNING, reward_warning
+from rlfabric.coordinator.scoring import REWARD_REFUSAL, REWARD_WARNING, reward_warning
 from rlfabric.reward.client import RewardServiceError
 
 

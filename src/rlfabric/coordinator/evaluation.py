@@ -1,0 +1,110 @@
+"""Held-out evaluation of a run: the evaluation prompts scored with the serving policy every k learner
+steps, never enqueued and never trained on.
+
+The prompts are the separate evaluation set (`dataset.eval`) or the held-out fraction of the training
+set (`dataset.held_out_fraction`); each evaluation generates with `dataset.eval`'s sampling overrides and
+appends one result to `keys.eval_results` (mean reward, the lowest policy version sampled, the step, the
+source and how many prompts and samples it covers). A prompt a replica refuses as too long is counted
+once (`eval_prompts_too_long`) and skipped from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from rlfabric.contracts import keys
+from rlfabric.contracts.keys import Counter
+from rlfabric.coordinator.dataset import EvalSource, PromptRow
+from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
+from rlfabric.reward.client import RewardServiceError
+from rlfabric.reward.spec import ItemResult
+from rlfabric.runspec import RunSpec, SamplingSpec
+from rlfabric.runtime.aio import cancel_point
+from rlfabric.v1 import rollout_pb2
+
+POLL_S = 0.5
+"""How often the learner's step is read to see whether an evaluation is due."""
+
+
+def eval_sampling(spec: RunSpec) -> SamplingSpec:
+    """The run's sampling with `dataset.eval`'s overrides (samples per prompt, temperature)."""
+    overrides = {"n": spec.dataset.eval.n, "temperature": spec.dataset.eval.temperature}
+    return spec.rollout.sampling.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+
+
+class Pipeline(Protocol):
+    """What an evaluation uses of the run's pipeline: its generation, scoring and books."""
+
+    run_id: str
+    spec: RunSpec
+    redis: Any
+
+    async def generate(
+        self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
+    ) -> list[rollout_pb2.GeneratedSample]: ...
+    async def learner_step(self) -> int: ...
+    async def count(self, counter: Counter, n: int = 1) -> None: ...
+    async def refused_as_too_long(self, row: PromptRow, reason: str) -> None: ...
+
+
+class Evaluator:
+    """Evaluates `rows` every `dataset.eval_every_steps` learner steps (`run`), or once (`evaluate`)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        score: Callable[[PromptRow, list[rollout_pb2.GeneratedSample]], Awaitable[list[ItemResult]]],
+    ) -> None:
+        self.pipeline, self.score = pipeline, score
+        self.sampling = eval_sampling(pipeline.spec)
+        self.too_long: set[str] = set()
+        """Evaluation prompt ids a replica refused as too long: never evaluated again."""
+
+    async def run(self, rows: list[PromptRow], source: EvalSource) -> None:
+        every = self.pipeline.spec.dataset.eval_every_steps
+        if not every or not rows:
+            return
+        done = -1
+        while True:
+            cancel_point()
+            step = await self.pipeline.learner_step()
+            if step // every > done:
+                done = step // every
+                await self.evaluate(rows, step, source)
+            await asyncio.sleep(POLL_S)
+
+    async def evaluate(self, rows: list[PromptRow], step: int, source: EvalSource = "held_out") -> None:
+        """Scores the evaluation prompts all at once (so the result describes one version, not several)."""
+        rows = [r for r in rows if r.prompt_id not in self.too_long]
+        outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in rows))
+        rewards = [r for rs, _ in outcomes for r in rs]
+        versions = [v for _, vs in outcomes for v in vs]
+        if rewards:
+            result = {
+                "reward_mean": sum(rewards) / len(rewards),
+                "policy_version": min(versions),
+                "step": step,
+                "source": source,
+                "prompts": sum(1 for rs, _ in outcomes if rs),
+                "samples": len(rewards),
+            }
+            await self.pipeline.redis.rpush(keys.eval_results(self.pipeline.run_id), json.dumps(result))
+
+    async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
+        """One prompt's rewards (ok items only) and sampled versions; nothing when it cannot be evaluated."""
+        item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
+        try:
+            samples = await self.pipeline.generate(item, row, self.sampling)
+            scores = await self.score(row, samples)
+        except InvalidPrompt as exc:
+            if exc.too_long:
+                self.too_long.add(row.prompt_id)
+                await self.pipeline.count(Counter.EVAL_PROMPTS_TOO_LONG)
+                await self.pipeline.refused_as_too_long(row, str(exc))
+            return [], []
+        except (ReplicaFailed, RewardServiceError):  # tolerated: an evaluation is skipped
+            return [], []
+        return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]
