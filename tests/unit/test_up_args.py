@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from rlfabric.local import plot as up_plot
+from rlfabric.local import stack as stack_mod
 from rlfabric.local import up
 from rlfabric.local.credentials import Credentials
 from rlfabric.runspec import RunSpec
@@ -26,12 +28,12 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_replica_cores_bind_each_replica_to_its_entry_in_turn(tmp_path: Path) -> None:
     args = parse("--replica-cores", "0|1-3", "--engine", "vllm")
     assert args.replica_cores == ["0", "1-3"]
-    stack = up.Stack(tmp_path)
+    stack = stack_mod.Stack(tmp_path)
     spec = SimpleNamespace(
         name="r", output_dir=str(tmp_path), model=SimpleNamespace(path="m", max_model_len=64, dtype="auto")
     )
     binds = [
-        up.replica_process(stack, args, spec, "redis://x", i).env["VLLM_CPU_OMP_THREADS_BIND"]
+        stack_mod.replica_process(stack, args, spec, "redis://x", i).env["VLLM_CPU_OMP_THREADS_BIND"]
         for i in range(3)
     ]
     assert binds == ["0", "1-3", "0"]
@@ -45,7 +47,7 @@ def test_without_replica_cores_the_environment_decides(
     spec = SimpleNamespace(
         name="r", output_dir=str(tmp_path), model=SimpleNamespace(path="m", max_model_len=64, dtype="auto")
     )
-    proc = up.replica_process(up.Stack(tmp_path), args, spec, "redis://x", 0)
+    proc = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
 
 
@@ -60,9 +62,9 @@ def test_the_compile_cache_is_shared_by_runs_unless_the_caller_chooses(
 ) -> None:
     """No per-run VLLM_CACHE_ROOT: a replica compiled once for a model starts from the cache next time."""
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    assert "VLLM_CACHE_ROOT" not in up.vllm_env(compile_=True)
+    assert "VLLM_CACHE_ROOT" not in stack_mod.vllm_env(compile_=True)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    assert up.vllm_env(compile_=True)["VLLM_CACHE_ROOT"] == str(tmp_path)
+    assert stack_mod.vllm_env(compile_=True)["VLLM_CACHE_ROOT"] == str(tmp_path)
 
 
 def test_launched_processes_start_together(tmp_path: Path) -> None:
@@ -72,7 +74,7 @@ def test_launched_processes_start_together(tmp_path: Path) -> None:
     first = [sys.executable, "-c", WAIT_FOR_FLAG, str(flag)]
     touch = "import sys, pathlib; pathlib.Path(sys.argv[1]).touch(); print('up')"
     second = [sys.executable, "-c", touch, str(flag)]
-    stack = up.Stack(tmp_path)
+    stack = stack_mod.Stack(tmp_path)
     try:
         waiting = stack.launch(stack.process("first", first), r"ready (\d+)", timeout_s=60)
         writing = stack.launch(stack.process("second", second), r"up", timeout_s=60)
@@ -93,8 +95,8 @@ time.sleep(60)
 
 def test_each_service_process_gets_its_own_tokens_only(tmp_path: Path) -> None:
     credentials = Credentials.generate()
-    stack = up.Stack(tmp_path, credentials)
-    reward = up.reward_process(stack, parse(), spec_naming("pkg.mod:fn"))
+    stack = stack_mod.Stack(tmp_path, credentials)
+    reward = stack_mod.reward_process(stack, parse(), spec_naming("pkg.mod:fn"))
     assert reward.env["RLFABRIC_REWARD__TOKEN"] == credentials.reward
     assert credentials.api not in reward.env.values() and credentials.weights not in reward.env.values()
     assert reward.guarded
@@ -104,9 +106,11 @@ def test_the_reward_service_allows_the_run_files_folder_and_the_specs_functions(
     tmp_path: Path,
 ) -> None:
     run_file = tmp_path / "runs" / "r.yaml"
-    argv = up.reward_process(up.Stack(tmp_path), parse(str(run_file)), spec_naming("rewards.py:fn")).argv
+    argv = stack_mod.reward_process(
+        stack_mod.Stack(tmp_path), parse(str(run_file)), spec_naming("rewards.py:fn")
+    ).argv
     assert f"allowed_functions={json.dumps([str(run_file.parent)])}" in argv
-    demo = up.reward_process(up.Stack(tmp_path), parse(), spec_naming("pkg.mod:fn")).argv
+    demo = stack_mod.reward_process(stack_mod.Stack(tmp_path), parse(), spec_naming("pkg.mod:fn")).argv
     assert f"allowed_functions={json.dumps(['pkg.mod:fn'])}" in demo
 
 
@@ -158,14 +162,14 @@ RESTARTED = [
 
 
 def test_curves_are_not_joined_across_a_learner_restart() -> None:
-    assert up.restart_steps(RESTARTED) == [2]
-    assert up.segments(RESTARTED, "reward_mean") == [[(1, 0.1), (2, 0.2), (3, 0.3)], [(3, 0.35)]]
-    assert up.segments(RESTARTED, "kl") == []
+    assert up_plot.restart_steps(RESTARTED) == [2]
+    assert up_plot.segments(RESTARTED, "reward_mean") == [[(1, 0.1), (2, 0.2), (3, 0.3)], [(3, 0.35)]]
+    assert up_plot.segments(RESTARTED, "kl") == []
 
 
 def test_the_plot_marks_a_learner_restart(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(row) + "\n" for row in RESTARTED))
-    assert up.plot(metrics, tmp_path / "curves.png") == tmp_path / "curves.png"
+    assert up_plot.plot(metrics, tmp_path / "curves.png") == tmp_path / "curves.png"
     assert (tmp_path / "curves.png").stat().st_size > 0

@@ -205,7 +205,7 @@ def summarize(
     scaler: LocalScaler | None,
     supervisor: Supervisor | None = None,
 ) -> None:
-    from rlfabric.local.up import plot
+    from rlfabric.local.plot import plot
 
     run_path = run_dir / run_id
     png = plot(run_path / "metrics.jsonl", run_path / "curves.png")
