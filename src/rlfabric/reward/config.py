@@ -1,57 +1,17 @@
-"""Configuration of the reward service process (`rlfabric serve reward`)."""
+"""Configuration of the reward service process (`rlfabric serve reward`).
+
+`SandboxConfig` and `allow_entry_kind` live in `rlfabric.runtime` (the environment service shares them)
+and are imported here under their old names."""
 
 from __future__ import annotations
 
 import os
-import re
-from typing import Literal
 
 from pydantic import Field, field_validator
 
 from rlfabric.runtime.config import StrictModel
-from rlfabric.runtime.schema import LogConfig, ServerConfig
-
-AllowEntryKind = Literal["module", "function", "directory"]
-_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
-_MODULE = re.compile(_DOTTED)
-_FUNCTION = re.compile(f"{_DOTTED}:{_DOTTED}")
-
-
-def allow_entry_kind(entry: str) -> AllowEntryKind:
-    """What an `allowed_functions` entry allows: a path (it holds a "/") is a directory, "pkg.mod:attr"
-    one function, "pkg.sub" a module and its submodules; ValueError for anything else."""
-    if "/" in entry:
-        return "directory"
-    if _FUNCTION.fullmatch(entry):
-        return "function"
-    if _MODULE.fullmatch(entry):
-        return "module"
-    raise ValueError(f"{entry!r} is neither a module ('pkg.sub'), a function ('pkg.mod:attr') nor a path")
-
-
-class SandboxConfig(StrictModel):
-    """The server's limits for the code sandbox (`code_exec`). A request's params may only tighten them:
-    a larger value, or `allow_unisolated` where the server disallows it, is INVALID_ARGUMENT."""
-
-    cpu_s: int = Field(default=5, gt=0)
-    """CPU-time limit per test process (RLIMIT_CPU), seconds."""
-    wall_s: float = Field(default=10.0, gt=0)
-    """Wall-clock limit per test process, seconds; the process group is killed past it."""
-    total_wall_s: float = Field(default=60.0, gt=0)
-    """Wall-clock budget for all of one item's tests, seconds."""
-    memory_mb: int = Field(default=512, gt=0)
-    """Address-space limit per test process (RLIMIT_AS), MiB."""
-    max_processes: int = Field(default=32, gt=0)
-    """Process/thread limit (RLIMIT_NPROC) for the sandbox uid."""
-    file_size_mb: int = Field(default=8, gt=0)
-    """Largest file a program may write, stdout included (RLIMIT_FSIZE), MiB."""
-    max_open_files: int = Field(default=64, gt=0)
-    """Open file descriptor limit (RLIMIT_NOFILE)."""
-    tmpfs_mb: int = Field(default=64, gt=0)
-    """Size of a program's private /tmp (its working directory lives there), MiB."""
-    allow_unisolated: bool = False
-    """Whether a request may run code where network/pid/mount namespaces are unavailable (rlimits
-    only): unsafe for untrusted code."""
+from rlfabric.runtime.schema import LogConfig, SandboxConfig, ServerConfig
+from rlfabric.runtime.user_code import allow_entry_kind
 
 
 class RewardServiceConfig(StrictModel):

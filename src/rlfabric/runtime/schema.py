@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from rlfabric.runtime.config import StrictModel
+
+if TYPE_CHECKING:
+    from rlfabric.runtime.sandbox import SandboxLimits
 
 
 class TlsConfig(StrictModel):
@@ -42,6 +45,46 @@ class ServerConfig(StrictModel):
     """TLS material; plaintext when unset (fine on loopback, not across machines)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the Prometheus /metrics endpoint; unset disables it, 0 picks a free port."""
+
+
+class SandboxConfig(StrictModel):
+    """A server's limits for the code sandbox (`runtime.sandbox`: the reward's `code_exec`, the environment's
+    `python` tool). A request may only tighten them: a larger value, or `allow_unisolated` where the server
+    disallows it, is INVALID_ARGUMENT."""
+
+    cpu_s: int = Field(default=5, gt=0)
+    """CPU-time limit per test process (RLIMIT_CPU), seconds."""
+    wall_s: float = Field(default=10.0, gt=0)
+    """Wall-clock limit per test process, seconds; the process group is killed past it."""
+    total_wall_s: float = Field(default=60.0, gt=0)
+    """Wall-clock budget for all of one item's tests, seconds."""
+    memory_mb: int = Field(default=512, gt=0)
+    """Address-space limit per test process (RLIMIT_AS), MiB."""
+    max_processes: int = Field(default=32, gt=0)
+    """Process/thread limit (RLIMIT_NPROC) for the sandbox uid."""
+    file_size_mb: int = Field(default=8, gt=0)
+    """Largest file a program may write, stdout included (RLIMIT_FSIZE), MiB."""
+    max_open_files: int = Field(default=64, gt=0)
+    """Open file descriptor limit (RLIMIT_NOFILE)."""
+    tmpfs_mb: int = Field(default=64, gt=0)
+    """Size of a program's private /tmp (its working directory lives there), MiB."""
+    allow_unisolated: bool = False
+    """Whether a request may run code where network/pid/mount namespaces are unavailable (rlimits
+    only): unsafe for untrusted code."""
+
+    def to_limits(self, wall_s: float | None = None) -> SandboxLimits:
+        """These limits as one program run's `SandboxLimits`, with `wall_s` in place of the configured one."""
+        from rlfabric.runtime.sandbox import SandboxLimits
+
+        return SandboxLimits(
+            cpu_s=self.cpu_s,
+            wall_s=self.wall_s if wall_s is None else wall_s,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
+            file_size_mb=self.file_size_mb,
+            max_open_files=self.max_open_files,
+            tmpfs_mb=self.tmpfs_mb,
+        )
 
 
 class LogConfig(StrictModel):

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from rlfabric.local.procs import ServiceProcess
-from rlfabric.reward.scorers.sandbox import probe_isolation
+from rlfabric.runtime.sandbox import probe_isolation
 from rlfabric.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 TRAP = """

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfabric.reward.scorers import ScoreInput, build_scorer, run_scorer, sandbox
-from rlfabric.reward.scorers.sandbox import SandboxLimits, limit_exceeded, probe_isolation, run_python
+from rlfabric.reward.scorers import ScoreInput, build_scorer, run_scorer
+from rlfabric.runtime import sandbox
+from rlfabric.runtime.sandbox import SandboxLimits, limit_exceeded, probe_isolation, run_python
 
 ISOLATION = probe_isolation()
 pytestmark = pytest.mark.skipif(ISOLATION.mode == "none", reason=f"no sandbox isolation: {ISOLATION.detail}")

@@ -7,9 +7,10 @@ Running code is covered in tests/integration/reward/test_sandbox.py.
 import pytest
 
 from rlfabric.reward.config import SandboxConfig
-from rlfabric.reward.scorers import InvalidScorerSpec, ItemError, build_scorer, code_exec, run_scorer, sandbox
+from rlfabric.reward.scorers import InvalidScorerSpec, ItemError, build_scorer, code_exec, run_scorer
 from rlfabric.reward.scorers.code_exec import CodeTest, outputs_match, parse_tests
 from rlfabric.reward.scorers.policy import ScorerPolicy
+from rlfabric.runtime import sandbox
 
 
 def test_parse_tests_accepts_the_three_shapes():

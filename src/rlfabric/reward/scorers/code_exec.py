@@ -29,18 +29,18 @@ from typing import Any, Literal, Self
 
 from pydantic import Field
 
-from rlfabric.reward.config import SandboxConfig
 from rlfabric.reward.scorers.base import ItemError, ScoreInput, Scorer, ScoreResult, ScorerParams
 from rlfabric.reward.scorers.policy import ScorerPolicy, tighten
 from rlfabric.reward.scorers.registry import register
-from rlfabric.reward.scorers.sandbox import (
+from rlfabric.reward.scorers.text import extract_code
+from rlfabric.runtime.sandbox import (
     SandboxLimits,
     SandboxRun,
     limit_exceeded,
     probe_isolation,
     run_python,
 )
-from rlfabric.reward.scorers.text import extract_code
+from rlfabric.runtime.schema import SandboxConfig
 
 OutputMatch = Literal["exact", "trailing_whitespace", "tokens"]
 _ASSERT_HARNESS = """\
@@ -185,13 +185,4 @@ class CodeExec(Scorer):
         return run.ok and bool(lines) and lines[-1] == token, run
 
     def _limits(self, wall_s: float) -> SandboxLimits:
-        limits = self.limits
-        return SandboxLimits(
-            cpu_s=limits.cpu_s,
-            wall_s=wall_s,
-            memory_mb=limits.memory_mb,
-            max_processes=limits.max_processes,
-            file_size_mb=limits.file_size_mb,
-            max_open_files=limits.max_open_files,
-            tmpfs_mb=limits.tmpfs_mb,
-        )
+        return self.limits.to_limits(wall_s)

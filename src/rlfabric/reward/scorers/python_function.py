@@ -36,18 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Self
 
 from pydantic import model_validator
@@ -60,13 +54,9 @@ from rlfabric.reward.scorers.base import (
     ScorerParams,
     describe_exception,
 )
-from rlfabric.reward.scorers.policy import (
-    FunctionAllowlist,
-    ScorerPolicy,
-    check_attribute_path,
-    resolve_attribute,
-)
+from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.scorers.registry import register
+from rlfabric.runtime.user_code import FunctionAllowlist, InvalidReference, load_reference
 
 RewardFn = Callable[..., Sequence[float | None] | Awaitable[Sequence[float | None]]]
 RESERVED = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
@@ -151,43 +141,13 @@ def _all_numbers(values: list[Any]) -> bool:
 def load_function(spec: str, allowlist: FunctionAllowlist) -> RewardFn:
     """Resolve "module:attr" or "file.py:attr" to a callable the allowlist allows; `InvalidScorerSpec` on
     any failure. Invariant: nothing is imported and no file is read before the allowlist said yes."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise InvalidScorerSpec("function", f"expected 'module:attr' or 'path.py:attr', got {spec!r}")
-    parts = check_attribute_path(attr)
-    if target.endswith(".py"):
-        module = _guarded_load(lambda: _load_file(allowlist.check_file(target)), target)
-    else:
-        allowlist.check_module(target, attr)
-        module = _guarded_load(lambda: importlib.import_module(target), target)
-    fn = resolve_attribute(module, parts, spec)
-    allowlist.check_definition(fn, spec, module.__name__)
+    try:
+        fn = load_reference(spec, allowlist)
+    except InvalidReference as exc:
+        raise InvalidScorerSpec("function", exc.reason) from exc
     if not callable(fn):
         raise InvalidScorerSpec("function", f"{spec!r} is not callable")
     return fn
-
-
-def _guarded_load(load: Callable[[], ModuleType], target: str) -> ModuleType:
-    """`load()` with every failure but a refusal turned into `InvalidScorerSpec`."""
-    try:
-        return load()
-    except InvalidScorerSpec:
-        raise
-    except Exception as exc:
-        raise InvalidScorerSpec("function", f"cannot load {target!r}: {type(exc).__name__}: {exc}") from exc
-
-
-def _load_file(resolved: Path) -> ModuleType:
-    """Imports the (allowed, resolved) file under a name derived from its path."""
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    name = f"rlfabric_user_reward_{digest}"
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None:
-        raise InvalidScorerSpec("function", f"cannot import {str(resolved)!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _accepted_keywords(fn: Callable[..., Any]) -> set[str] | None:
