@@ -12,7 +12,8 @@ no scorer, no server.
                "stop" | "length" | "abort" <-> FinishReason, TensorMeta <-> TensorSpec,
                BroadcastSource -> BroadcastPlan
     prompts    text or chat messages <-> Prompt
-    queue      (GeneratedSample, ItemResult) pairs -> ScoredGroup -> GroupSamples; bytes -> ScoredGroup
+    queue      (GeneratedSample, ItemResult) pairs -> ScoredGroup -> GroupSamples; bytes -> ScoredGroup;
+               multi-turn loss mask <-> bytes, Turn <-> Turn, "model" | "environment" | "tool" <-> TurnRole
     traces     W3C carrier <-> TraceContext
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from rlfabric.learner.samples import GroupSamples, Rollout
+from rlfabric.learner.samples import GroupSamples, Rollout, Turn, TurnRole
 from rlfabric.reward.spec import (
     COMPOSITE,
     ItemResult,
@@ -64,6 +65,15 @@ FINISH_REASON: dict[FinishReason, common_pb2.FinishReason] = {
 FINISH_REASON_NAMES: dict[common_pb2.FinishReason, FinishReason] = {v: k for k, v in FINISH_REASON.items()}
 """The inverse of `FINISH_REASON`."""
 
+TURN_ROLE: dict[TurnRole, queue_pb2.TurnRole] = {
+    "model": queue_pb2.TURN_ROLE_MODEL,
+    "environment": queue_pb2.TURN_ROLE_ENVIRONMENT,
+    "tool": queue_pb2.TURN_ROLE_TOOL,
+}
+"""Who produced a turn, on the wire (UNSPECIFIED is never sent)."""
+TURN_ROLE_NAMES: dict[queue_pb2.TurnRole, TurnRole] = {v: k for k, v in TURN_ROLE.items()}
+"""The inverse of `TURN_ROLE`."""
+
 
 def reward_status_from_proto(value: common_pb2.RewardStatus) -> ScoreStatus:
     """A received status; an unknown or unset one is a scorer error (never a reward)."""
@@ -73,6 +83,12 @@ def reward_status_from_proto(value: common_pb2.RewardStatus) -> ScoreStatus:
 def finish_reason_from_proto(value: common_pb2.FinishReason) -> FinishReason:
     """A received finish reason; an unset one reads as "stop" (a sample that ended normally)."""
     return FINISH_REASON_NAMES.get(value, "stop")
+
+
+def turn_role_from_proto(value: queue_pb2.TurnRole) -> TurnRole:
+    """A received turn role; an unset one reads as "environment". The role is provenance only: what is
+    trained on is decided by the loss mask."""
+    return TURN_ROLE_NAMES.get(value, "environment")
 
 
 # --- shared message parts ---------------------------------------------------------------------------
@@ -488,15 +504,53 @@ def group_versions(group: queue_pb2.ScoredGroup) -> set[int]:
 
 def group_samples_from_proto(group: queue_pb2.ScoredGroup) -> GroupSamples:
     """What the learner trains on: the prompt and the samples in sample-index order."""
-    rollouts = [
-        Rollout(
-            token_ids=list(s.token_ids),
-            logprobs=list(s.logprobs),
-            reward=s.reward.value,
-            finish_reason=finish_reason_from_proto(s.finish_reason),
-            policy_version=s.policy_version,
-            components=dict(s.reward.components),
-        )
-        for s in sorted(group.samples, key=lambda s: s.sample_index)
-    ]
+    rollouts = [rollout_from_proto(s) for s in sorted(group.samples, key=lambda s: s.sample_index)]
     return GroupSamples(list(group.prompt_token_ids), rollouts, group.group_id)
+
+
+def rollout_from_proto(sample: queue_pb2.ScoredSample) -> Rollout:
+    """One scored sample as the learner trains on it, with its multi-turn fields when it has them."""
+    return Rollout(
+        token_ids=list(sample.token_ids),
+        logprobs=list(sample.logprobs),
+        reward=sample.reward.value,
+        finish_reason=finish_reason_from_proto(sample.finish_reason),
+        policy_version=sample.policy_version,
+        components=dict(sample.reward.components),
+        loss_mask=loss_mask_from_proto(sample.loss_mask),
+        turns=[turn_from_proto(t) for t in sample.turns],
+    )
+
+
+def with_turns(
+    sample: queue_pb2.ScoredSample, loss_mask: Sequence[int] | None, turns: Iterable[Turn]
+) -> queue_pb2.ScoredSample:
+    """`sample` with the multi-turn fields of a trajectory set: its loss mask (one 0/1 per completion
+    token; None = all the policy's) and its turns. Returns the same message."""
+    sample.loss_mask = loss_mask_to_proto(loss_mask)
+    sample.turns.extend(turn_to_proto(t) for t in turns)
+    return sample
+
+
+def loss_mask_to_proto(mask: Sequence[int] | None) -> bytes:
+    """One byte per completion token (1 = the policy's, 0 = the environment's); None is empty bytes."""
+    return b"" if mask is None else bytes(mask)
+
+
+def loss_mask_from_proto(data: bytes) -> list[int] | None:
+    """The loss mask of a received sample; None when it has none (every token the policy's)."""
+    return list(data) if data else None
+
+
+def turn_to_proto(turn: Turn) -> queue_pb2.Turn:
+    """A turn on the wire; an unrewarded turn leaves `reward` unset."""
+    message = queue_pb2.Turn(start=turn.start, role=TURN_ROLE[turn.role])
+    if turn.reward is not None:
+        message.reward = turn.reward
+    return message
+
+
+def turn_from_proto(turn: queue_pb2.Turn) -> Turn:
+    """A received turn; an unset reward stays None (no reward, not 0)."""
+    reward = turn.reward if turn.HasField("reward") else None
+    return Turn(start=turn.start, role=turn_role_from_proto(turn.role), reward=reward)

@@ -10,6 +10,13 @@ Two layouts, and the alignment between them:
   position has no target and is always masked out.
 Completion token j of a sample with prompt length P sits at input position P + j, so its per-token values
 sit at target position P - 1 + j (`MicroBatch.completion_start` = P - 1).
+
+Multi-turn samples (`Rollout.loss_mask`): every completion token is in `input_ids` (environment and tool
+tokens are context the policy conditions on), but the masks, `StepBatch.completion_mask` and
+`MicroBatch.loss_mask`, are 1 on the policy's tokens only. Everything trained or averaged goes through
+them (policy loss, rollout correction, KL in the loss and in the reward, entropy, the value loss, the
+aggregations' normalisers, the advantage estimators), so an environment token is never in a loss. A
+single-turn sample's masks are its completion, as before.
 """
 
 from __future__ import annotations
@@ -35,13 +42,20 @@ class StepBatch:
     rewards: Tensor
     """(N,) float32 sequence rewards."""
     completion_mask: Tensor
-    """(N, Tc) float32: 1 on completion tokens; Tc is the longest completion."""
+    """(N, Tc) float32: 1 on the completions' policy tokens (every completion token when single-turn), 0 on
+    environment tokens and padding; Tc is the longest completion."""
     lengths: Tensor
     """(N,) int64 completion lengths."""
     truncated: Tensor
     """(N,) bool: the engine stopped at max_tokens."""
     group_size: int
     """Samples per group (uniform over the step)."""
+    last_token: Tensor
+    """(N,) int64: column of each completion's last policy token (where the final reward goes); -1 when it
+    has none."""
+    turn_rewards: Tensor
+    """(N, Tc) float32: the turns' rewards on their policy tokens (`Rollout.reward_positions`), 0 elsewhere;
+    all 0 for single-turn samples."""
 
     @classmethod
     def from_groups(cls, groups: Sequence[GroupSamples]) -> StepBatch:
@@ -54,19 +68,41 @@ class StepBatch:
         width = int(lengths.max()) if len(samples) else 0
         return cls(
             rewards=torch.tensor([r.reward for r in samples], dtype=torch.float32),
-            completion_mask=(torch.arange(width) < lengths.unsqueeze(-1)).float(),
+            completion_mask=_padded([r.model_mask() for r in samples], width),
             lengths=lengths,
             truncated=torch.tensor([r.finish_reason == TRUNCATED for r in samples], dtype=torch.bool),
             group_size=sizes.pop() if sizes else 1,
+            last_token=torch.tensor([r.last_model_token() for r in samples], dtype=torch.int64),
+            turn_rewards=_turn_rewards(samples, width),
         )
 
     def outcome_token_rewards(self, rewards: Tensor) -> Tensor:
-        """Put each sequence reward (N,) on its completion's last token: (N, Tc), 0 elsewhere."""
+        """Put each sequence reward (N,) on its completion's last policy token: (N, Tc), 0 elsewhere."""
         token_rewards = torch.zeros_like(self.completion_mask)
-        has_tokens = self.lengths > 0
-        rows = torch.nonzero(has_tokens).squeeze(-1)
-        token_rewards[rows, self.lengths[rows] - 1] = rewards[rows].to(token_rewards.dtype)
+        rows = torch.nonzero(self.last_token >= 0).squeeze(-1)
+        token_rewards[rows, self.last_token[rows]] = rewards[rows].to(token_rewards.dtype)
         return token_rewards
+
+    def token_rewards(self, rewards: Tensor) -> Tensor:
+        """The final rewards (N,) on the last policy tokens plus the turns' rewards: (N, Tc)."""
+        return self.outcome_token_rewards(rewards) + self.turn_rewards
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int) -> Tensor:
+    """0/1 rows right-padded with 0 to `width`: (N, width) float32."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def _turn_rewards(samples: Sequence[Rollout], width: int) -> Tensor:
+    """Each sample's turn rewards on their policy tokens (`Rollout.reward_positions`): (N, width)."""
+    out = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, rollout in enumerate(samples):
+        for position, reward in rollout.reward_positions():
+            out[i, position] += reward
+    return out
 
 
 @dataclass
@@ -78,7 +114,8 @@ class MicroBatch:
     attention_mask: Tensor
     """(B, T) int64: 1 on real tokens."""
     loss_mask: Tensor
-    """(B, T) float32: 1 at position t when token t+1 is a completion token."""
+    """(B, T) float32: 1 at position t when token t+1 is a completion token the policy sampled (not an
+    environment token)."""
     rollout_logprobs: Tensor
     """(B, T) float32: the engine's log-prob of token t+1 at position t; 0 off the loss mask."""
     rewards: Tensor
@@ -106,7 +143,7 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Completion tokens in the loss mask."""
+        """Policy tokens in the loss mask."""
         return int(self.loss_mask.sum())
 
     def targets(self, pad_id: int) -> Tensor:
@@ -136,12 +173,14 @@ class MicroBatch:
         return out.scatter_add_(1, self.completion_positions(values.shape[1]).to(values.device), masked)
 
     def to_completion_layout(self, values: Tensor, width: int) -> Tensor:
-        """Read a target-layout tensor (B, T) back into completion columns (B, width); padding is 0.
-
-        A row's completion length is its loss-mask count."""
+        """Read a target-layout tensor (B, T) back into completion columns (B, width); padding is 0."""
         gathered = values.gather(1, self.completion_positions(width).to(values.device))
-        lengths = self.loss_mask.sum(-1, keepdim=True)
+        lengths = self.completion_lengths().unsqueeze(-1)
         return gathered * (torch.arange(width, device=values.device) < lengths).to(gathered.dtype)
+
+    def completion_lengths(self) -> Tensor:
+        """Each row's completion length, environment tokens included: (B,) int64."""
+        return self.attention_mask.sum(-1) - self.completion_start - 1
 
 
 def _moved(value: Tensor | None, device: torch.device) -> Tensor | None:
@@ -183,8 +222,10 @@ def _collate(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         p, c = len(row.prompt), len(row.rollout.token_ids)
         input_ids[b, : p + c] = torch.tensor(row.prompt + row.rollout.token_ids, dtype=torch.int64)
         attention_mask[b, : p + c] = 1
-        loss_mask[b, p - 1 : p - 1 + c] = 1.0
-        rollout_logprobs[b, p - 1 : p - 1 + c] = torch.tensor(row.rollout.logprobs, dtype=torch.float32)
+        model = torch.tensor(row.rollout.model_mask(), dtype=torch.float32)
+        loss_mask[b, p - 1 : p - 1 + c] = model
+        logprobs = torch.tensor(row.rollout.logprobs, dtype=torch.float32)
+        rollout_logprobs[b, p - 1 : p - 1 + c] = torch.where(model > 0, logprobs, 0.0)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

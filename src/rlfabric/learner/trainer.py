@@ -317,14 +317,15 @@ class Trainer(TrainerBase[GroupSamples]):
                 mb.returns = _to_target_layout(mb, returns, mask)
 
     def _token_rewards(self, plan: StepPlan) -> Tensor:
-        """Outcome rewards (+ overlong penalty) on each completion's last token, minus the KL penalty when
-        the KL is in the reward: (N, Tc) on the CPU."""
+        """Outcome rewards (+ overlong penalty) on each completion's last policy token and the turns'
+        rewards on theirs (`StepBatch.token_rewards`), minus the KL penalty on the policy tokens when the
+        KL is in the reward: (N, Tc) on the CPU."""
         sb, algo = plan.step_batch, self.spec.algorithm
         rewards = sb.rewards
         if algo.overlong.penalty:
             max_tokens = self.spec.rollout.sampling.max_tokens
             rewards = rewards + overlong_penalty(sb.lengths, max_tokens, algo.overlong.buffer_tokens)
-        token_rewards = sb.outcome_token_rewards(rewards)
+        token_rewards = sb.token_rewards(rewards)
         if self.reference is not None and algo.kl.mode == "reward":
             kl = self._completion_kl(plan)
             token_rewards = apply_kl_penalty(token_rewards, kl, sb.completion_mask, self.kl.value)
