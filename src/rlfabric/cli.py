@@ -65,6 +65,13 @@ SERVICES: dict[str, ServiceEntry] = {
         "server.host",
         "server.port",
     ),
+    "environment": ServiceEntry(
+        "multi-turn environments and tools behind the EnvironmentService gRPC API",
+        "rlfabric.environment.config:EnvironmentServiceConfig",
+        "rlfabric.environment.main",
+        "server.host",
+        "server.port",
+    ),
     "learner": ServiceEntry(
         "the FSDP2 learner (run it under torchrun for several ranks)",
         "rlfabric.learner.config:LearnerServiceConfig",
@@ -137,6 +144,14 @@ def add_config_commands(sub: Any) -> None:
         help="a run file: check its schema only, not whether it can run here (its scorer, paths, model "
         "files and dataset columns); for a run file meant for another machine",
     )
+    template = verbs.add_parser(
+        "check-template",
+        help="self-test a model's chat template for multi-turn tool trajectories",
+        description="Render a multi-turn tool conversation with the chat template of MODEL_DIR whole and "
+        "incrementally (as multi-turn trajectories are built) and compare the token ids; exit 2 naming the "
+        "turn and the reason when they differ or the template rewrites earlier turns.",
+    )
+    template.add_argument("model_dir", metavar="MODEL_DIR", help="a local model folder (its tokenizer)")
     schema = verbs.add_parser("schema", help="print the JSON schema of a run file or a service config")
     schema.add_argument("target", choices=["run", *sorted(SERVICES)])
 
@@ -152,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_commands(sub)
     tiny = sub.add_parser(
         "make-tiny-model",
-        help="build a random tiny Qwen2 model with a character tokenizer (tests, demo, benchmarks)",
+        help="build a random tiny Qwen2 model with a character or BPE tokenizer (tests, demo, benchmarks)",
         description="Build a randomly initialised Qwen2-architecture causal LM and a character-level "
-        "tokenizer, saved so that transformers and vLLM load it. Nothing is downloaded.",
+        "tokenizer (or a byte-level BPE trained locally, --tokenizer bpe), saved so that transformers and "
+        "vLLM load it. Nothing is downloaded.",
     )
     from rlfabric.tools import tiny_model
 
@@ -215,6 +231,8 @@ def run_config(args: argparse.Namespace) -> int:
     from rlfabric.runspec import RunSpec
     from rlfabric.runtime.config import read_file, validate
 
+    if args.verb == "check-template":
+        return check_template(args.model_dir)
     if args.verb == "schema":
         model = RunSpec if args.target == "run" else SERVICES[args.target].config_model()
         print(json.dumps(model.model_json_schema(), indent=2))
@@ -242,6 +260,20 @@ def check_run_file(path: str, spec: Any) -> int:
     if report.issues:
         return 2
     print(f"{path}: valid RunSpec")
+    return 0
+
+
+def check_template(model_dir: str) -> int:
+    """`config check-template MODEL_DIR`: the chat-template self-test (`rollout.chat_template`); 2 when it
+    fails."""
+    from rlfabric.rollout.chat_template import check_model_template
+
+    report = check_model_template(model_dir)
+    if report.mismatch is not None:
+        print(f"{model_dir}: chat template self-test failed: {report.mismatch}", file=sys.stderr)
+        return 2
+    turns = len(report.turn_starts)
+    print(f"{model_dir}: chat template self-test passed ({turns} turns, {len(report.whole_ids)} tokens)")
     return 0
 
 

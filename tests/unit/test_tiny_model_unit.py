@@ -145,3 +145,40 @@ def test_cli_rejects_bad_shape(tmp_path, capsys) -> None:
     assert run(parser.parse_args([str(tmp_path / "m"), "--hidden", "64"])) == 2
     assert "head size" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_bpe_tokenizer_vocabulary_and_merges() -> None:
+    from rlfabric.tools.bpe_tokenizer import BPE_VOCAB_SIZE, TOOL_TOKENS, build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer()
+    assert len(tokenizer) == BPE_VOCAB_SIZE == TinyModelSpec(tokenizer="bpe").vocab_size
+    assert tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, *TOOL_TOKENS]) == list(range(10))
+    assert [tokenizer.eos_token_id, tokenizer.pad_token_id] == [
+        special_ids()[t] for t in ("<|endoftext|>", "<|pad|>")
+    ]
+    for token in TOOL_TOKENS:  # added but not special: one token, kept by skip_special_tokens
+        assert len(tokenizer(token)["input_ids"]) == 1
+        assert tokenizer.decode(tokenizer(token)["input_ids"], skip_special_tokens=True) == token
+    # Merges that join turns when a conversation is re-tokenized:
+    assert tokenizer.convert_ids_to_tokens(tokenizer("\n\n")["input_ids"]) == ["ĊĊ"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer("}\n</tool_call>")["input_ids"]) == [
+        "}Ċ",
+        "</tool_call>",
+    ]
+
+
+@pytest.mark.parametrize("text", ["naïve café — 日本\r\n", "  two  spaces\n\n\tx", '{"a": [1, 2]}\n'])
+def test_bpe_tokenizer_round_trips_any_text(text: str) -> None:
+    from rlfabric.tools.bpe_tokenizer import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer()
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_bpe_spec_and_flag(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = spec_from_args(parser.parse_args([str(tmp_path), "--tokenizer", "bpe"]))
+    assert spec.tokenizer == "bpe" and spec.num_parameters() > PRESETS["tiny"].num_parameters()
+    with pytest.raises(ValueError, match="char tokenizer"):
+        TinyModelSpec(tokenizer="bpe", byte_fallback=True)

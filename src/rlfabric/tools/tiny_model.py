@@ -1,7 +1,8 @@
 """Tiny randomly initialised language models, built locally for tests, demos and benchmarks.
 
 A tiny model is a Qwen2-architecture causal LM (the architecture vLLM and transformers both load natively)
-with random weights and a character-level tokenizer, so nothing is ever downloaded. The saved folder loads
+with random weights and a character-level tokenizer (or, with `tokenizer="bpe"`, the byte-level BPE with a
+tool chat template of `bpe_tokenizer`, trained locally), so nothing is ever downloaded. The saved folder loads
 with `AutoTokenizer`/`AutoModelForCausalLM.from_pretrained` and with `vllm.LLM(model=path)`.
 
 The tokenizer is a `Qwen2Tokenizer` (byte-level BPE) with no merges. transformers rebuilds every tokenizer
@@ -9,7 +10,7 @@ of a `qwen2` model as a `Qwen2Tokenizer` whatever the folder declares (and vLLM 
 `AutoTokenizer`), so a custom pipeline would not survive a reload; with no merges the byte-level BPE *is*
 character-level for ASCII: each character is one token, its byte's symbol in GPT-2's byte alphabet.
 
-Vocabulary and ids (the tokenizer's size equals the model's `vocab_size`):
+Vocabulary and ids of the character tokenizer (the tokenizer's size equals the model's `vocab_size`):
 - ids 0..5: the special tokens of `SPECIAL_TOKENS`, in that order;
 - then one token per distinct character of `vocab_chars` (ASCII), in order of first appearance;
 - with `byte_fallback`, then the remaining byte symbols, so any UTF-8 text round-trips (a non-ASCII
@@ -55,6 +56,7 @@ CHAT_TEMPLATE = (
 """ChatML: `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`."""
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+TokenizerKind = Literal["char", "bpe"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class TinyModelSpec:
     max_position: int = 2048
     seed: int = 0
     dtype: Dtype = "float32"
+    tokenizer: TokenizerKind = "char"
+    """`char`: one token per character, ChatML template. `bpe`: the trained byte-level BPE of
+    `bpe_tokenizer` (`BPE_VOCAB_SIZE` tokens, every byte covered) with a Qwen2.5-style tool template."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.num_kv_heads:
@@ -85,6 +90,10 @@ class TinyModelSpec:
             raise ValueError(f"head size hidden/heads = {self.head_dim} not in {VLLM_CPU_HEAD_SIZES} (vLLM)")
         if not self.vocab_chars.isascii():
             raise ValueError("vocab_chars must be ASCII (use byte_fallback for other text)")
+        if self.tokenizer == "bpe" and (self.byte_fallback or self.vocab_chars != DEFAULT_CHARS):
+            raise ValueError(
+                "vocab_chars and byte_fallback are for the char tokenizer (bpe covers all bytes)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +109,10 @@ class TinyModelSpec:
 
     @property
     def vocab_size(self) -> int:
+        if self.tokenizer == "bpe":
+            from rlfabric.tools.bpe_tokenizer import BPE_VOCAB_SIZE
+
+            return BPE_VOCAB_SIZE
         return len(vocabulary(self.vocab_chars, self.byte_fallback))
 
     def num_parameters(self) -> int:
@@ -155,6 +168,15 @@ def build_tokenizer(
     )
 
 
+def spec_tokenizer(spec: TinyModelSpec) -> Qwen2Tokenizer:
+    """The tokenizer `spec` asks for: character-level or the trained BPE."""
+    if spec.tokenizer == "bpe":
+        from rlfabric.tools.bpe_tokenizer import build_bpe_tokenizer
+
+        return build_bpe_tokenizer(spec.max_position)
+    return build_tokenizer(spec.vocab_chars, spec.max_position, spec.byte_fallback)
+
+
 def special_ids() -> dict[str, int]:
     """Id of each special token (the same for every vocabulary)."""
     return {token: i for i, token in enumerate(SPECIAL_TOKENS)}
@@ -207,7 +229,7 @@ def save_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_model(spec).save_pretrained(out)
-    build_tokenizer(spec.vocab_chars, spec.max_position, spec.byte_fallback).save_pretrained(out)
+    spec_tokenizer(spec).save_pretrained(out)
     return out
 
 
@@ -224,8 +246,9 @@ def make_tiny_model(
     max_position: int = 2048,
     seed: int = 0,
     dtype: Dtype = "float32",
+    tokenizer: TokenizerKind = "char",
 ) -> Path:
-    """Build a random Qwen2 model with a character tokenizer into `out_dir` and return its path."""
+    """Build a random Qwen2 model and its tokenizer (`char` or `bpe`) into `out_dir`; return its path."""
     spec = TinyModelSpec(
         layers=layers,
         hidden=hidden,
@@ -237,6 +260,7 @@ def make_tiny_model(
         max_position=max_position,
         seed=seed,
         dtype=dtype,
+        tokenizer=tokenizer,
     )
     return save_tiny_model(spec, out_dir)
 
@@ -257,6 +281,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-position", type=int, help="maximum sequence length")
     parser.add_argument("--seed", type=int, help="random seed of the weights")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    parser.add_argument(
+        "--tokenizer",
+        choices=["char", "bpe"],
+        help="char (default): one token per character; bpe: a byte-level BPE trained locally, with a "
+        "Qwen2.5-style tool chat template",
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> TinyModelSpec:
@@ -274,6 +304,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfabric make-tiny-model: {e}", file=sys.stderr)
         return 2
     path = save_tiny_model(spec, args.out_dir)
-    shape = f"{spec.layers} layers x hidden {spec.hidden}, vocab {spec.vocab_size}"
+    shape = f"{spec.layers} layers x hidden {spec.hidden}, {spec.tokenizer} vocab {spec.vocab_size}"
     print(f"{path}: Qwen2 {shape}, {spec.num_parameters():,} parameters")
     return 0
