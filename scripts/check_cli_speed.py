@@ -13,7 +13,7 @@ import sys
 import time
 
 LIMIT_S = 2.0
-SERVICES = ("coordinator", "rollout", "reward", "learner")
+SERVICES = ("coordinator", "rollout", "reward", "learner", "environment")
 COMMANDS = [["--help"], *(["serve", name, "--help"] for name in SERVICES)]
 
 

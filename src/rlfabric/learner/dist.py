@@ -94,6 +94,15 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+def leave_together() -> None:
+    """After a finished run, waits until every rank is done before the process group is destroyed: rank 0
+    writes the last checkpoint and weights after the last collective, and a rank that destroyed its gloo
+    group and exited meanwhile was seen aborting at exit (`terminate called without an active exception`)
+    on a loaded CI machine. Not after a failure: a dead peer would leave the barrier waiting."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def destroy_distributed() -> None:
     """Leave the process group, if any."""
     if dist.is_initialized():

@@ -53,7 +53,13 @@ from rlfabric.contracts.metrics import append_row
 from rlfabric.data import DatasetError, read_records, training_source
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
-from rlfabric.learner.dist import World, all_reduce_max, destroy_distributed, init_distributed
+from rlfabric.learner.dist import (
+    World,
+    all_reduce_max,
+    destroy_distributed,
+    init_distributed,
+    leave_together,
+)
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
 from rlfabric.runspec import RunSpec
@@ -315,6 +321,7 @@ def serve_offline(config: LearnerServiceConfig) -> int:
     print(f"{READY_LINE} for run {config.run_id}", flush=True)
     try:
         run_offline(config)
+        leave_together()
     finally:
         destroy_distributed()
     log.info("offline learner exited", extra={"pid": os.getpid()})
