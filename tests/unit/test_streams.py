@@ -115,6 +115,14 @@ def _broken(mutate: str) -> ScoredGroup:
         sample.sample_index = 5
     elif mutate == "version":
         sample.policy_version = 2
+    elif mutate == "short_mask":
+        sample.loss_mask = bytes([1, 0])
+    elif mutate == "no_policy_token":
+        sample.loss_mask = bytes([0, 0, 0])
+    elif mutate == "turn_order":
+        sample.loss_mask = bytes([1, 0, 1])
+        sample.turns.add(start=0)
+        sample.turns.add(start=0)
     return group
 
 
@@ -132,6 +140,9 @@ def _broken(mutate: str) -> ScoredGroup:
         ("nan_logprob", "logprob"),
         ("index", "sample_index"),
         ("version", "policy_version"),
+        ("short_mask", "loss mask"),
+        ("no_policy_token", "no policy token"),
+        ("turn_order", "turn starts"),
     ],
 )
 def test_validate_group_rejects(mutate: str, needle: str) -> None:

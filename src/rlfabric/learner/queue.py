@@ -153,7 +153,8 @@ def validate_group(
 
     Checked: group id set; run id matches (when given); n samples (== expected_n when given) with
     sample_index 0..n-1 in order; per sample, token_ids and logprobs of equal non-zero length with finite
-    logprobs, the group's policy_version, and a reward with status OK and finite value and components.
+    logprobs, the group's policy_version, a multi-turn loss mask and turns that fit the completion (with a
+    policy token), and a reward with status OK and finite value and components.
     """
     if not group.group_id:
         return "group_id is empty"
@@ -179,7 +180,20 @@ def _sample_error(sample: ScoredSample, index: int, policy_version: int) -> str 
         return "non-finite logprob"
     if sample.policy_version != policy_version:
         return f"policy_version {sample.policy_version} differs from the group's {policy_version}"
-    return _reward_error(sample)
+    return _turns_error(sample) or _reward_error(sample)
+
+
+def _turns_error(sample: ScoredSample) -> str | None:
+    """A multi-turn sample's loss mask and turns as the trainer needs them (`Rollout.check`), and at least
+    one policy token: found here, a malformed trajectory is dead-lettered instead of failing a step."""
+    rollout = wire.rollout_from_proto(sample)
+    try:
+        rollout.check("")
+    except ValueError as exc:
+        return str(exc).removeprefix("group '': ")
+    if rollout.loss_mask is not None and not any(rollout.loss_mask):
+        return "the loss mask holds no policy token"
+    return None
 
 
 def _reward_error(sample: ScoredSample) -> str | None:
