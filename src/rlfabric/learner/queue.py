@@ -185,7 +185,10 @@ def _sample_error(sample: ScoredSample, index: int, policy_version: int) -> str 
 
 def _turns_error(sample: ScoredSample) -> str | None:
     """A multi-turn sample's loss mask and turns as the trainer needs them (`Rollout.check`), and at least
-    one policy token: found here, a malformed trajectory is dead-lettered instead of failing a step."""
+    one policy token: found here, a malformed trajectory is dead-lettered instead of failing a step. A
+    single-turn sample (neither field) has nothing to check and is not converted."""
+    if not sample.loss_mask and not sample.turns:
+        return None
     rollout = wire.rollout_from_proto(sample)
     try:
         rollout.check("")
