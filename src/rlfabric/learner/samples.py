@@ -18,25 +18,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Literal
+
+from rlfabric.contracts.trajectory import Turn as Turn
+from rlfabric.contracts.trajectory import TurnRole as TurnRole
 
 COMPONENT_PREFIX = "reward/"
 """Metrics-row prefix of a reward component's per-step mean (`reward/<component>`)."""
-
-TurnRole = Literal["model", "environment", "tool"]
-"""Who produced a turn's tokens: the policy, the environment (an observation) or a tool (its result)."""
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One turn of a multi-turn completion: the tokens from `start` to the next turn's start."""
-
-    start: int
-    """Offset into the completion's `token_ids` where the turn starts."""
-    role: TurnRole
-    """Who produced the turn."""
-    reward: float | None = None
-    """The environment's reward for this turn; None when it gave none (which is not a reward of 0)."""
 
 
 @dataclass

@@ -38,6 +38,18 @@ class EngineConfig(StrictModel):
     on CPU, spin on GPU."""
 
 
+class EnvironmentConnection(StrictModel):
+    """The environment service multi-turn requests play against (`GenerateRequest.multi_turn`)."""
+
+    address: str
+    """host:port of the environment service."""
+    token: str | None = Field(default=None, min_length=1)
+    """Its bearer token; set it from RLFABRIC_ROLLOUT__ENVIRONMENT__TOKEN, not a file."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of each Reset/Step call: keep it above the service's own step timeout, so that a slow
+    environment answers TIMEOUT (a trajectory status) rather than the call failing."""
+
+
 class RolloutServiceConfig(StrictModel):
     """A rollout replica: one engine behind the RolloutService gRPC API."""
 
@@ -81,6 +93,8 @@ class RolloutServiceConfig(StrictModel):
     min_version_wait_s: float = Field(default=30.0, gt=0)
     """A Generate request with `min_policy_version` above the serving version waits this long for it
     (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""
+    environment: EnvironmentConnection | None = None
+    """The environment service of multi-turn requests; None refuses them (FAILED_PRECONDITION)."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve rollout --insecure`): `learner_token` is no longer
     required at start (when set it is still enforced) and a WARNING is logged. For tests and loopback

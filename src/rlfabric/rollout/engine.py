@@ -62,6 +62,13 @@ class Engine(abc.ABC):
     max_model_len: int
     vocab_size: int
     """Size of the model's vocabulary: valid token ids are 0 .. vocab_size - 1."""
+    _tokenizer: ChatTokenizer
+    """Set by `start`."""
+
+    def hf_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer, as loaded by `start` (the multi-turn driver renders the
+        chat template incrementally with it)."""
+        return self._tokenizer.hf
 
     @abc.abstractmethod
     async def start(self) -> None:

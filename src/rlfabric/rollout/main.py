@@ -18,7 +18,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Info
 
@@ -36,6 +36,9 @@ from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import start_metrics_server
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+
+if TYPE_CHECKING:
+    from rlfabric.environment.client import AsyncEnvironmentClient
 
 log = logging.getLogger(__name__)
 SERVICE = full_service_name(rollout_pb2, "RolloutService")
@@ -155,6 +158,7 @@ async def start_server(parts: Parts) -> None:
         learner_token=config.learner_token,
         update_timeout_s=config.update_timeout_s,
         on_serving_change=on_serving_change,
+        environment=environment_client(config),
     )
     parts.servicer = servicer
     parts.server.add_servicer(
@@ -166,6 +170,16 @@ async def start_server(parts: Parts) -> None:
     parts.replica_id = config.replica_id or f"{socket.gethostname()}-{port_holder['port']}"
     servicer.replica_id, servicer.address = parts.replica_id, parts.address
     print(f"rlfabric rollout replica {parts.replica_id} listening on {parts.address}", flush=True)
+
+
+def environment_client(config: RolloutServiceConfig) -> AsyncEnvironmentClient | None:
+    """The environment service's client when one is configured (inside the running event loop)."""
+    env = config.environment
+    if env is None:
+        return None
+    from rlfabric.environment.client import AsyncEnvironmentClient
+
+    return AsyncEnvironmentClient(env.address, timeout_s=env.timeout_s, token=env.token)
 
 
 async def load_initial_weights(parts: Parts) -> None:

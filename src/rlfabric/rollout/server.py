@@ -6,13 +6,16 @@ admission and draining live in `replica.py`, and where weights come from in `wei
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from rlfabric.contracts import wire
 from rlfabric.rollout.engine import EngineSample
-from rlfabric.rollout.replica import Replica
+from rlfabric.rollout.replica import PlayTask, Replica
+from rlfabric.rollout.trajectory import EnvironmentSessions, TrajectoryDriver, TrajectoryLimits
 from rlfabric.rollout.weights_source import WeightsSource
 from rlfabric.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.runtime.grpc_server import check_bearer
@@ -31,6 +34,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         learner_token: str | None,
         update_timeout_s: float,
         on_serving_change: Callable[[bool], Awaitable[None]],
+        environment: EnvironmentSessions | None = None,
     ) -> None:
         self.replica = replica
         self.weights = weights
@@ -40,6 +44,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.learner_token = learner_token
         self.update_timeout_s = update_timeout_s
         self.on_serving_change = on_serving_change
+        self.environment = environment
+        """The environment service's client for multi-turn requests; None refuses them."""
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -48,6 +54,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("request_id: required")
         if not self.replica.serving:
             raise Unavailable("this replica holds no published weights yet")
+        if request.HasField("multi_turn"):
+            async for trajectory in self.play(request):
+                yield trajectory
+            return
         prompts = [self.tokenize(i, p.prompt) for i, p in enumerate(request.prompts)]
         sampling = wire.sampling_from_proto(request.sampling)
         stream = self.replica.generate(request.request_id, prompts, sampling, request.min_policy_version)
@@ -56,6 +66,54 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 yield self.sample_to_proto(request, sample, version)
         finally:
             await stream.aclose()  # a cancelled RPC lands here: closing the stream aborts the engine work
+
+    async def play(self, request: rollout_pb2.GenerateRequest) -> AsyncIterator[rollout_pb2.GeneratedSample]:
+        """A multi-turn request: one trajectory per task and sample (`rollout.trajectory`)."""
+        driver = self.trajectory_driver(request.multi_turn)
+        tasks = [self.play_task(i, p) for i, p in enumerate(request.prompts)]
+        sampling = wire.sampling_from_proto(request.sampling)
+        started = time.perf_counter()
+        stream = self.replica.play(request.request_id, tasks, sampling, driver, request.min_policy_version)
+        try:
+            async for p, s, trajectory, version in stream:
+                yield wire.trajectory_to_proto(
+                    trajectory,
+                    index=(p, s),
+                    request_id=request.request_id,
+                    prompt_id=request.prompts[p].prompt_id,
+                    version=version,
+                    replica_id=self.replica_id,
+                    total_s=time.perf_counter() - started,
+                )
+        finally:
+            await stream.aclose()
+
+    def trajectory_driver(self, multi_turn: rollout_pb2.MultiTurn) -> TrajectoryDriver:
+        if self.environment is None:
+            raise FailedPrecondition("multi_turn: this replica has no environment service configured")
+        if multi_turn.max_turns < 1:
+            raise InvalidArgument("multi_turn.max_turns: must be >= 1")
+        context = self.replica.engine.max_model_len
+        limits = TrajectoryLimits(
+            max_turns=multi_turn.max_turns,
+            max_total_tokens=multi_turn.max_total_tokens or context,
+            max_model_len=context,
+        )
+        engine = self.replica.engine
+        return TrajectoryDriver(self.replica.engine_turn, self.environment, engine.hf_tokenizer(), limits)
+
+    def play_task(self, index: int, prompt: rollout_pb2.GeneratePrompt) -> PlayTask:
+        """The task of `prompts[index]` (its `task_json`) and its chat template variables."""
+        try:
+            task = json.loads(prompt.task_json or "{}")
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"prompts[{index}].task_json: not JSON ({exc.msg})") from None
+        if not isinstance(task, dict):
+            raise InvalidArgument(f"prompts[{index}].task_json: must be a JSON object")
+        kwargs = None
+        if prompt.prompt.WhichOneof("kind") == "messages":
+            kwargs = wire.template_kwargs_from_proto(prompt.prompt.messages)
+        return PlayTask(task, kwargs)
 
     async def UpdateWeights(
         self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext

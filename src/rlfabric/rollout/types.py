@@ -80,3 +80,5 @@ class EngineSample:
     finish_reason: FinishReason
     first_token_s: float
     total_s: float
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (not computed again); 0 when unknown."""

@@ -286,6 +286,7 @@ class VllmEngine(Engine):
             finish_reason=completion.finish_reason or "abort",
             first_token_s=first_token_s if token_ids else 0.0,
             total_s=total_s,
+            cached_tokens=int(out.num_cached_tokens or 0),
         )
 
     def _decode_completion(self, token_ids: list[int], completion: Any) -> str:

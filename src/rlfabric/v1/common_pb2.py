@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\x1a\x1cgoogle/protobuf/struct.proto\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12\x30\n\x0ftemplate_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"{\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x08messages\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.rlfabric.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xbf\x01\n\x06Reward\x12\r\n\x05value\x18\x01 \x01(\x01\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.rlfabric.v1.RewardStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x37\n\ncomponents\x18\x04 \x03(\x0b\x32#.rlfabric.v1.Reward.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xa0\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x1e\n\x1aREWARD_STATUS_SCORER_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03\x12 \n\x1cREWARD_STATUS_NOT_APPLICABLE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\x1a\x1cgoogle/protobuf/struct.proto\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12\x30\n\x0ftemplate_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"{\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x08messages\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.rlfabric.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xbf\x01\n\x06Reward\x12\r\n\x05value\x18\x01 \x01(\x01\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.rlfabric.v1.RewardStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x37\n\ncomponents\x18\x04 \x03(\x0b\x32#.rlfabric.v1.Reward.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Z\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\r\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.TurnRole\x12\x13\n\x06reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_reward*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xa0\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x1e\n\x1aREWARD_STATUS_SCORER_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03\x12 \n\x1cREWARD_STATUS_NOT_APPLICABLE\x10\x04*i\n\x08TurnRole\x12\x19\n\x15TURN_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTURN_ROLE_MODEL\x10\x01\x12\x19\n\x15TURN_ROLE_ENVIRONMENT\x10\x02\x12\x12\n\x0eTURN_ROLE_TOOL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REWARD_COMPONENTSENTRY']._loaded_options = None
   _globals['_REWARD_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=628
-  _globals['_FINISHREASON']._serialized_end=748
-  _globals['_REWARDSTATUS']._serialized_start=751
-  _globals['_REWARDSTATUS']._serialized_end=911
+  _globals['_FINISHREASON']._serialized_start=720
+  _globals['_FINISHREASON']._serialized_end=840
+  _globals['_REWARDSTATUS']._serialized_start=843
+  _globals['_REWARDSTATUS']._serialized_end=1003
+  _globals['_TURNROLE']._serialized_start=1005
+  _globals['_TURNROLE']._serialized_end=1110
   _globals['_TRACECONTEXT']._serialized_start=71
   _globals['_TRACECONTEXT']._serialized_end=126
   _globals['_CHATMESSAGE']._serialized_start=128
@@ -52,4 +54,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARD']._serialized_end=626
   _globals['_REWARD_COMPONENTSENTRY']._serialized_start=577
   _globals['_REWARD_COMPONENTSENTRY']._serialized_end=626
+  _globals['_TURN']._serialized_start=628
+  _globals['_TURN']._serialized_end=718
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,13 @@ class RewardStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REWARD_STATUS_SCORER_ERROR: _ClassVar[RewardStatus]
     REWARD_STATUS_TIMEOUT: _ClassVar[RewardStatus]
     REWARD_STATUS_NOT_APPLICABLE: _ClassVar[RewardStatus]
+
+class TurnRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_ROLE_UNSPECIFIED: _ClassVar[TurnRole]
+    TURN_ROLE_MODEL: _ClassVar[TurnRole]
+    TURN_ROLE_ENVIRONMENT: _ClassVar[TurnRole]
+    TURN_ROLE_TOOL: _ClassVar[TurnRole]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -31,6 +38,10 @@ REWARD_STATUS_OK: RewardStatus
 REWARD_STATUS_SCORER_ERROR: RewardStatus
 REWARD_STATUS_TIMEOUT: RewardStatus
 REWARD_STATUS_NOT_APPLICABLE: RewardStatus
+TURN_ROLE_UNSPECIFIED: TurnRole
+TURN_ROLE_MODEL: TurnRole
+TURN_ROLE_ENVIRONMENT: TurnRole
+TURN_ROLE_TOOL: TurnRole
 
 class TraceContext(_message.Message):
     __slots__ = ("traceparent", "tracestate")
@@ -90,3 +101,13 @@ class Reward(_message.Message):
     message: str
     components: _containers.ScalarMap[str, float]
     def __init__(self, value: _Optional[float] = ..., status: _Optional[_Union[RewardStatus, str]] = ..., message: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("start", "role", "reward")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    role: TurnRole
+    reward: float
+    def __init__(self, start: _Optional[int] = ..., role: _Optional[_Union[TurnRole, str]] = ..., reward: _Optional[float] = ...) -> None: ...

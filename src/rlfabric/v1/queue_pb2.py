@@ -25,19 +25,15 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfabric/v1/queue.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xad\x02\n\x0bScoredGroup\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12*\n\x07samples\x18\x06 \x03(\x0b\x32\x19.rlfabric.v1.ScoredSample\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x13\n\x0bscorer_name\x18\x08 \x01(\t\x12\x16\n\x0escorer_version\x18\t \x01(\t\x12(\n\x05trace\x18\n \x01(\x0b\x32\x19.rlfabric.v1.TraceContext\x12\x13\n\x0b\x65nqueued_at\x18\x0b \x01(\x01\x12\x10\n\x08held_out\x18\x0c \x01(\x08\"\x8f\x02\n\x0cScoredSample\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x12\n\nreplica_id\x18\x07 \x01(\t\x12#\n\x06reward\x18\x08 \x01(\x0b\x32\x13.rlfabric.v1.Reward\x12\x11\n\tloss_mask\x18\t \x01(\x0c\x12 \n\x05turns\x18\n \x03(\x0b\x32\x11.rlfabric.v1.Turn\"Z\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\r\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.rlfabric.v1.TurnRole\x12\x13\n\x06reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_reward*i\n\x08TurnRole\x12\x19\n\x15TURN_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTURN_ROLE_MODEL\x10\x01\x12\x19\n\x15TURN_ROLE_ENVIRONMENT\x10\x02\x12\x12\n\x0eTURN_ROLE_TOOL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfabric/v1/queue.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xad\x02\n\x0bScoredGroup\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12*\n\x07samples\x18\x06 \x03(\x0b\x32\x19.rlfabric.v1.ScoredSample\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x13\n\x0bscorer_name\x18\x08 \x01(\t\x12\x16\n\x0escorer_version\x18\t \x01(\t\x12(\n\x05trace\x18\n \x01(\x0b\x32\x19.rlfabric.v1.TraceContext\x12\x13\n\x0b\x65nqueued_at\x18\x0b \x01(\x01\x12\x10\n\x08held_out\x18\x0c \x01(\x08\"\xb8\x02\n\x0cScoredSample\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x12\n\nreplica_id\x18\x07 \x01(\t\x12#\n\x06reward\x18\x08 \x01(\x0b\x32\x13.rlfabric.v1.Reward\x12\x11\n\tloss_mask\x18\t \x01(\x0c\x12 \n\x05turns\x18\n \x03(\x0b\x32\x11.rlfabric.v1.Turn\x12\x12\n\ntool_calls\x18\x0b \x01(\r\x12\x13\n\x0btool_errors\x18\x0c \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.queue_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TURNROLE']._serialized_start=736
-  _globals['_TURNROLE']._serialized_end=841
   _globals['_SCOREDGROUP']._serialized_start=67
   _globals['_SCOREDGROUP']._serialized_end=368
   _globals['_SCOREDSAMPLE']._serialized_start=371
-  _globals['_SCOREDSAMPLE']._serialized_end=642
-  _globals['_TURN']._serialized_start=644
-  _globals['_TURN']._serialized_end=734
+  _globals['_SCOREDSAMPLE']._serialized_end=683
 # @@protoc_insertion_point(module_scope)

@@ -1,23 +1,11 @@
 from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class TurnRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    TURN_ROLE_UNSPECIFIED: _ClassVar[TurnRole]
-    TURN_ROLE_MODEL: _ClassVar[TurnRole]
-    TURN_ROLE_ENVIRONMENT: _ClassVar[TurnRole]
-    TURN_ROLE_TOOL: _ClassVar[TurnRole]
-TURN_ROLE_UNSPECIFIED: TurnRole
-TURN_ROLE_MODEL: TurnRole
-TURN_ROLE_ENVIRONMENT: TurnRole
-TURN_ROLE_TOOL: TurnRole
 
 class ScoredGroup(_message.Message):
     __slots__ = ("run_id", "prompt_id", "group_id", "epoch", "prompt_token_ids", "samples", "policy_version", "scorer_name", "scorer_version", "trace", "enqueued_at", "held_out")
@@ -48,7 +36,7 @@ class ScoredGroup(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[ScoredSample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., scorer_name: _Optional[str] = ..., scorer_version: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., enqueued_at: _Optional[float] = ..., held_out: _Optional[bool] = ...) -> None: ...
 
 class ScoredSample(_message.Message):
-    __slots__ = ("sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "replica_id", "reward", "loss_mask", "turns")
+    __slots__ = ("sample_index", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "replica_id", "reward", "loss_mask", "turns", "tool_calls", "tool_errors")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +47,8 @@ class ScoredSample(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -68,15 +58,7 @@ class ScoredSample(_message.Message):
     replica_id: str
     reward: _common_pb2.Reward
     loss_mask: bytes
-    turns: _containers.RepeatedCompositeFieldContainer[Turn]
-    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., reward: _Optional[_Union[_common_pb2.Reward, _Mapping]] = ..., loss_mask: _Optional[bytes] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
-
-class Turn(_message.Message):
-    __slots__ = ("start", "role", "reward")
-    START_FIELD_NUMBER: _ClassVar[int]
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    REWARD_FIELD_NUMBER: _ClassVar[int]
-    start: int
-    role: TurnRole
-    reward: float
-    def __init__(self, start: _Optional[int] = ..., role: _Optional[_Union[TurnRole, str]] = ..., reward: _Optional[float] = ...) -> None: ...
+    turns: _containers.RepeatedCompositeFieldContainer[_common_pb2.Turn]
+    tool_calls: int
+    tool_errors: int
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., reward: _Optional[_Union[_common_pb2.Reward, _Mapping]] = ..., loss_mask: _Optional[bytes] = ..., turns: _Optional[_Iterable[_Union[_common_pb2.Turn, _Mapping]]] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ...) -> None: ...

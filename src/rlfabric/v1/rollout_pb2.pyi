@@ -1,11 +1,29 @@
 from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrajectoryStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAJECTORY_STATUS_UNSPECIFIED: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_DONE: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_TRUNCATED: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_ENV_ERROR: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_ENV_TIMEOUT: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_TEMPLATE_MISMATCH: _ClassVar[TrajectoryStatus]
+    TRAJECTORY_STATUS_ABORTED: _ClassVar[TrajectoryStatus]
+TRAJECTORY_STATUS_UNSPECIFIED: TrajectoryStatus
+TRAJECTORY_STATUS_DONE: TrajectoryStatus
+TRAJECTORY_STATUS_TRUNCATED: TrajectoryStatus
+TRAJECTORY_STATUS_ENV_ERROR: TrajectoryStatus
+TRAJECTORY_STATUS_ENV_TIMEOUT: TrajectoryStatus
+TRAJECTORY_STATUS_TEMPLATE_MISMATCH: TrajectoryStatus
+TRAJECTORY_STATUS_ABORTED: TrajectoryStatus
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "ignore_eos")
@@ -28,27 +46,61 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "min_policy_version")
+    __slots__ = ("request_id", "prompts", "sampling", "min_policy_version", "multi_turn")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[GeneratePrompt]
     sampling: SamplingParams
     min_policy_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
+    multi_turn: MultiTurn
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ...) -> None: ...
+
+class MultiTurn(_message.Message):
+    __slots__ = ("max_turns", "max_total_tokens")
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_turns: int
+    max_total_tokens: int
+    def __init__(self, max_turns: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("status", "message", "loss_mask", "turns", "messages", "tool_calls", "tool_errors", "prompt_tokens", "cached_prompt_tokens")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    status: TrajectoryStatus
+    message: str
+    loss_mask: bytes
+    turns: _containers.RepeatedCompositeFieldContainer[_common_pb2.Turn]
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    tool_calls: int
+    tool_errors: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, status: _Optional[_Union[TrajectoryStatus, str]] = ..., message: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., turns: _Optional[_Iterable[_Union[_common_pb2.Turn, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GeneratePrompt(_message.Message):
-    __slots__ = ("prompt_id", "prompt")
+    __slots__ = ("prompt_id", "prompt", "task_json")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     prompt: _common_pb2.Prompt
-    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ...) -> None: ...
+    task_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., task_json: _Optional[str] = ...) -> None: ...
 
 class GeneratedSample(_message.Message):
-    __slots__ = ("request_id", "prompt_id", "prompt_index", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "replica_id", "timings")
+    __slots__ = ("request_id", "prompt_id", "prompt_index", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "text", "finish_reason", "policy_version", "replica_id", "timings", "trajectory")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +113,7 @@ class GeneratedSample(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_id: str
     prompt_index: int
@@ -73,7 +126,8 @@ class GeneratedSample(_message.Message):
     policy_version: int
     replica_id: str
     timings: SampleTimings
-    def __init__(self, request_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[SampleTimings, _Mapping]] = ...) -> None: ...
+    trajectory: Trajectory
+    def __init__(self, request_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[SampleTimings, _Mapping]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ...) -> None: ...
 
 class SampleTimings(_message.Message):
     __slots__ = ("first_token_seconds", "total_seconds")

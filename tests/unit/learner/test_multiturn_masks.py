@@ -295,7 +295,7 @@ def test_the_multiturn_fields_round_trip_through_the_wire() -> None:
 
 
 def test_turn_role_map_and_its_inverse_are_total() -> None:
-    values = {v for k, v in queue_pb2.TurnRole.items() if not k.endswith("_UNSPECIFIED")}
+    values = {v for k, v in common_pb2.TurnRole.items() if not k.endswith("_UNSPECIFIED")}
     assert set(wire.TURN_ROLE.values()) == values == set(wire.TURN_ROLE_NAMES)
     for name, value in wire.TURN_ROLE.items():
         assert wire.turn_role_from_proto(value) == name

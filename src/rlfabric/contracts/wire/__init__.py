@@ -93,6 +93,8 @@ from rlfabric.contracts.wire.reward import (
     scorer_spec_to_proto,
 )
 from rlfabric.contracts.wire.rollout import (
+    TRAJECTORY_STATUS,
+    TRAJECTORY_STATUS_NAMES,
     backend_from_proto,
     broadcast_from_proto,
     metas_from_proto,
@@ -100,6 +102,8 @@ from rlfabric.contracts.wire.rollout import (
     sample_to_proto,
     sampling_from_proto,
     sampling_to_proto,
+    trajectory_status_from_proto,
+    trajectory_to_proto,
 )
 
 __all__ = [
@@ -110,6 +114,8 @@ __all__ = [
     "PROMPT_TOO_LONG",
     "REWARD_STATUS",
     "REWARD_STATUS_NAMES",
+    "TRAJECTORY_STATUS",
+    "TRAJECTORY_STATUS_NAMES",
     "TURN_ROLE",
     "TURN_ROLE_NAMES",
     "backend_from_proto",
@@ -169,6 +175,8 @@ __all__ = [
     "tool_schema_to_proto",
     "trace_from_proto",
     "trace_to_proto",
+    "trajectory_status_from_proto",
+    "trajectory_to_proto",
     "turn_from_proto",
     "turn_role_from_proto",
     "turn_to_proto",

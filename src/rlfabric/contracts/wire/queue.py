@@ -13,19 +13,19 @@ from rlfabric.reward.spec import (
 )
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 
-TURN_ROLE: dict[TurnRole, queue_pb2.TurnRole] = {
-    "model": queue_pb2.TURN_ROLE_MODEL,
-    "environment": queue_pb2.TURN_ROLE_ENVIRONMENT,
-    "tool": queue_pb2.TURN_ROLE_TOOL,
+TURN_ROLE: dict[TurnRole, common_pb2.TurnRole] = {
+    "model": common_pb2.TURN_ROLE_MODEL,
+    "environment": common_pb2.TURN_ROLE_ENVIRONMENT,
+    "tool": common_pb2.TURN_ROLE_TOOL,
 }
 """Who produced a turn, on the wire (UNSPECIFIED is never sent)."""
 
 
-TURN_ROLE_NAMES: dict[queue_pb2.TurnRole, TurnRole] = {v: k for k, v in TURN_ROLE.items()}
+TURN_ROLE_NAMES: dict[common_pb2.TurnRole, TurnRole] = {v: k for k, v in TURN_ROLE.items()}
 """The inverse of `TURN_ROLE`."""
 
 
-def turn_role_from_proto(value: queue_pb2.TurnRole) -> TurnRole:
+def turn_role_from_proto(value: common_pb2.TurnRole) -> TurnRole:
     """A received turn role; an unset one reads as "environment". The role is provenance only: what is
     trained on is decided by the loss mask."""
     return TURN_ROLE_NAMES.get(value, "environment")
@@ -63,8 +63,9 @@ def scored_group(
 def scored_sample(
     sample: rollout_pb2.GeneratedSample, score: ItemResult, version: int
 ) -> queue_pb2.ScoredSample:
-    """One sample of a group with its reward (value, status and components; the message stays out)."""
-    return queue_pb2.ScoredSample(
+    """One sample of a group with its reward (value, status and components; the message stays out), and
+    a trajectory's loss mask, turns and tool counts."""
+    scored = queue_pb2.ScoredSample(
         sample_index=sample.sample_index,
         token_ids=sample.token_ids,
         logprobs=sample.logprobs,
@@ -76,6 +77,11 @@ def scored_sample(
             value=score.reward, status=REWARD_STATUS[score.status], components=score.components
         ),
     )
+    if sample.HasField("trajectory"):
+        t = sample.trajectory
+        scored.loss_mask, scored.tool_calls, scored.tool_errors = t.loss_mask, t.tool_calls, t.tool_errors
+        scored.turns.extend(t.turns)
+    return scored
 
 
 def decode_group(data: bytes) -> queue_pb2.ScoredGroup:
@@ -128,15 +134,15 @@ def loss_mask_from_proto(data: bytes) -> list[int] | None:
     return list(data) if data else None
 
 
-def turn_to_proto(turn: Turn) -> queue_pb2.Turn:
+def turn_to_proto(turn: Turn) -> common_pb2.Turn:
     """A turn on the wire; an unrewarded turn leaves `reward` unset."""
-    message = queue_pb2.Turn(start=turn.start, role=TURN_ROLE[turn.role])
+    message = common_pb2.Turn(start=turn.start, role=TURN_ROLE[turn.role])
     if turn.reward is not None:
         message.reward = turn.reward
     return message
 
 
-def turn_from_proto(turn: queue_pb2.Turn) -> Turn:
+def turn_from_proto(turn: common_pb2.Turn) -> Turn:
     """A received turn; an unset reward stays None (no reward, not 0)."""
     reward = turn.reward if turn.HasField("reward") else None
     return Turn(start=turn.start, role=turn_role_from_proto(turn.role), reward=reward)

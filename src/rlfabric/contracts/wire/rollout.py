@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from rlfabric.contracts.trajectory import TrajectoryStatus
 from rlfabric.contracts.wire.common import FINISH_REASON
-from rlfabric.rollout.types import EngineSample, SamplingSettings
+from rlfabric.contracts.wire.environment import chat_messages_to_proto
+from rlfabric.contracts.wire.queue import loss_mask_to_proto, turn_to_proto
+from rlfabric.rollout.trajectory import Trajectory
+from rlfabric.rollout.types import EngineSample, FinishReason, SamplingSettings
 from rlfabric.runspec import SamplingSpec
 from rlfabric.runtime.errors import InvalidArgument
 from rlfabric.v1 import rollout_pb2
@@ -95,3 +99,62 @@ def backend_from_proto(backend: str) -> Backend:
     if backend == "nccl":
         return "nccl"
     raise InvalidArgument(f"broadcast.backend: must be gloo or nccl, got {backend!r}")
+
+
+TRAJECTORY_STATUS: dict[TrajectoryStatus, rollout_pb2.TrajectoryStatus] = {
+    "done": rollout_pb2.TRAJECTORY_STATUS_DONE,
+    "truncated": rollout_pb2.TRAJECTORY_STATUS_TRUNCATED,
+    "env_error": rollout_pb2.TRAJECTORY_STATUS_ENV_ERROR,
+    "env_timeout": rollout_pb2.TRAJECTORY_STATUS_ENV_TIMEOUT,
+    "template_mismatch": rollout_pb2.TRAJECTORY_STATUS_TEMPLATE_MISMATCH,
+    "aborted": rollout_pb2.TRAJECTORY_STATUS_ABORTED,
+}
+"""Each trajectory status's proto value (UNSPECIFIED is never sent)."""
+TRAJECTORY_STATUS_NAMES: dict[int, TrajectoryStatus] = {v: k for k, v in TRAJECTORY_STATUS.items()}
+TRAJECTORY_FINISH: dict[TrajectoryStatus, FinishReason] = {"truncated": "length", "aborted": "abort"}
+"""A trajectory's finish reason by status: a cut trajectory is "length", an aborted one "abort", the
+rest "stop"."""
+
+
+def trajectory_status_from_proto(value: rollout_pb2.TrajectoryStatus) -> TrajectoryStatus:
+    """A received status; an unset one reads as "env_error" (nothing valid to train on)."""
+    return TRAJECTORY_STATUS_NAMES.get(value, "env_error")
+
+
+def trajectory_to_proto(
+    t: Trajectory,
+    *,
+    index: tuple[int, int],
+    request_id: str,
+    prompt_id: str,
+    version: int,
+    replica_id: str,
+    total_s: float,
+) -> rollout_pb2.GeneratedSample:
+    """One played trajectory (task `index[0]`, sample `index[1]`) as a generated sample (rollout.proto's
+    `Trajectory` says which field holds what)."""
+    return rollout_pb2.GeneratedSample(
+        request_id=request_id,
+        prompt_id=prompt_id,
+        prompt_index=index[0],
+        sample_index=index[1],
+        prompt_token_ids=t.prompt_ids,
+        token_ids=t.token_ids,
+        logprobs=t.logprobs,
+        text=t.final_text,
+        finish_reason=FINISH_REASON[TRAJECTORY_FINISH.get(t.status, "stop")],
+        policy_version=version,
+        replica_id=replica_id,
+        timings=rollout_pb2.SampleTimings(first_token_seconds=t.first_token_s, total_seconds=total_s),
+        trajectory=rollout_pb2.Trajectory(
+            status=TRAJECTORY_STATUS[t.status],
+            message=t.message,
+            loss_mask=loss_mask_to_proto(t.loss_mask),
+            turns=[turn_to_proto(turn) for turn in t.turns],
+            messages=chat_messages_to_proto(t.messages),
+            tool_calls=t.tool_calls,
+            tool_errors=t.tool_errors,
+            prompt_tokens=t.prompt_tokens,
+            cached_prompt_tokens=t.cached_prompt_tokens,
+        ),
+    )
