@@ -2,8 +2,10 @@
 
 A user class (`kind = "python"`) loads by reference under the operator's `allowed_functions`
 (`runtime.user_code`: checked before any import); the built-in `ToolEnvironment` (`kind = "tools"`)
-binds its tools once (user tools under the same allow-list) and shares them between sessions. Any
-failure is an `InvalidEnvironment` naming the field, raised when the service starts.
+binds its tools once (user tools under the same allow-list) and shares them between sessions; an
+environment written for TRL (`kind = "trl"`, `trl_env`) loads its factory the same way and calls it once
+to check what it makes. Any failure is an `InvalidEnvironment` naming the field, raised when the service
+starts.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlfabric.environment.spec import EnvironmentSpec, PythonEnvironmentSpec, ToolEnvironmentSpec
+from rlfabric.environment.spec import (
+    EnvironmentSpec,
+    PythonEnvironmentSpec,
+    ToolEnvironmentSpec,
+    TrlEnvironmentSpec,
+)
 from rlfabric.environment.tool_env import ToolEnvironment
 from rlfabric.environment.tools import InvalidTool, ToolBox
+from rlfabric.environment.trl_env import NotTrlEnvironment, TrlEnvironment, TrlFactory
 from rlfabric.runtime.config import ConfigError
 from rlfabric.runtime.schema import SandboxConfig
 from rlfabric.runtime.user_code import FunctionAllowlist, InvalidReference, load_reference
@@ -33,6 +41,8 @@ def environment_factory(
     if isinstance(spec, ToolEnvironmentSpec):
         toolbox = tool_box(spec, allowlist, sandbox)
         return lambda: ToolEnvironment(spec, toolbox)
+    if isinstance(spec, TrlEnvironmentSpec):
+        return trl_environment(spec, allowlist)
     return python_environment(spec, allowlist)
 
 
@@ -63,3 +73,12 @@ def python_environment(spec: PythonEnvironmentSpec, allowlist: FunctionAllowlist
         raise InvalidEnvironment(f"environment.ref: {spec.ref!r} {what} (see rlfabric.environment.base)")
     kwargs = dict(spec.kwargs)
     return lambda: cls(**kwargs)
+
+
+def trl_environment(spec: TrlEnvironmentSpec, allowlist: FunctionAllowlist) -> EnvironmentFactory:
+    """The TRL environment factory `spec.ref`, called once now to check what it makes (`trl_env`)."""
+    try:
+        factory = TrlFactory.probe(load_reference(spec.ref, allowlist), spec.ref)
+    except (InvalidReference, NotTrlEnvironment) as exc:
+        raise InvalidEnvironment(f"environment.ref: {exc}") from exc
+    return lambda: TrlEnvironment(spec, factory)

@@ -2,8 +2,9 @@
 
 Plain pydantic, no grpc and no tool code, so a run file's schema can hold these later without importing
 the environment service. A tool is a JSON-schema function (`ToolSpec`); an environment is either the
-built-in `ToolEnvironment` over a list of tools (`kind = "tools"`) or a user class loaded by reference
-(`kind = "python"`), under the operator's `allowed_functions`.
+built-in `ToolEnvironment` over a list of tools (`kind = "tools"`), a user class loaded by reference
+(`kind = "python"`), or an environment written for TRL's `GRPOTrainer(environment_factory=...)` run
+unchanged (`kind = "trl"`), under the operator's `allowed_functions`.
 
     [[environment.tools]]
     name = "calculator"
@@ -23,7 +24,7 @@ import re
 from typing import Annotated, Any, Literal, Self
 
 import jsonschema
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from rlfabric.environment.parsers import PARSERS
 from rlfabric.runtime.config import StrictModel
@@ -50,6 +51,16 @@ BUILTIN_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """Each built-in tool's default description and arguments schema, by name."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+
+def _known_parser(name: str) -> str:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool parser {name!r} (known: {', '.join(sorted(PARSERS))})")
+    return name
+
+
+ParserName = Annotated[str, AfterValidator(_known_parser)]
+"""The name of a registered tool-call parser (`rlfabric.environment.parsers`)."""
 
 
 class ToolSpec(StrictModel):
@@ -119,14 +130,11 @@ class ToolSpec(StrictModel):
         return {"type": "object", "properties": {}}
 
 
-class ToolEnvironmentSpec(StrictModel):
-    """The built-in `ToolEnvironment`: the task's prompt, then tool calls answered until the model
-    answers without one (its final answer, scored later by the trajectory driver's scorer)."""
+class ToolCallingSpec(StrictModel):
+    """What every tool-calling environment reads from its spec: where the prompt is, how calls are found
+    in the model's text, and how much of them runs."""
 
-    kind: Literal["tools"] = "tools"
-    tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="calculator")])
-    """The tools the model may call (names unique)."""
-    tool_parser: str = "hermes"
+    tool_parser: ParserName = "hermes"
     """How tool calls are read from the model's text: a registered parser ("hermes")."""
     prompt_field: str = "prompt"
     """The task column holding the prompt: text (one user message) or a list of chat messages."""
@@ -135,12 +143,14 @@ class ToolEnvironmentSpec(StrictModel):
     max_output_chars: int = Field(default=4000, ge=1)
     """A tool's answer is cut to this many characters (the cut is marked) before the model sees it."""
 
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        if name not in PARSERS:
-            raise ValueError(f"unknown tool parser {name!r} (known: {', '.join(sorted(PARSERS))})")
-        return name
+
+class ToolEnvironmentSpec(ToolCallingSpec):
+    """The built-in `ToolEnvironment`: the task's prompt, then tool calls answered until the model
+    answers without one (its final answer, scored later by the trajectory driver's scorer)."""
+
+    kind: Literal["tools"] = "tools"
+    tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="calculator")])
+    """The tools the model may call (names unique)."""
 
     @field_validator("tools")
     @classmethod
@@ -163,5 +173,20 @@ class PythonEnvironmentSpec(StrictModel):
     """Keyword arguments of the class's constructor."""
 
 
-EnvironmentSpec = Annotated[ToolEnvironmentSpec | PythonEnvironmentSpec, Field(discriminator="kind")]
-"""Which environment a service runs: `kind` "tools" (built-in) or "python" (a user class)."""
+class TrlEnvironmentSpec(ToolCallingSpec):
+    """An environment written for TRL's `GRPOTrainer(environment_factory=...)`, run unchanged (see
+    `rlfabric.environment.trl_env`): its public methods are the tools, `reset(**row)` may add text to the
+    prompt (appended to the last message of `prompt_field`, whose absence means one empty user message,
+    as in TRL), and `get_reward()` (when defined) is the final step's reward."""
+
+    kind: Literal["trl"]
+    ref: str
+    """The factory, "package.module:Name" or "path/to/file.py:Name", allowed by `allowed_functions`: a
+    class or a zero-argument callable returning an environment (what TRL's `environment_factory` takes)."""
+
+
+EnvironmentSpec = Annotated[
+    ToolEnvironmentSpec | PythonEnvironmentSpec | TrlEnvironmentSpec, Field(discriminator="kind")
+]
+"""Which environment a service runs: `kind` "tools" (built-in), "python" (a user class) or "trl" (an
+environment written for TRL's `environment_factory`)."""

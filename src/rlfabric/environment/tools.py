@@ -39,7 +39,19 @@ tool, any exception) answers the call with an error message."""
 
 
 class ToolError(Exception):
-    """A call the tool refuses; the message is shown to the model."""
+    """A call the tool refuses; the message is shown to the model after "error: "."""
+
+    def shown(self) -> str:
+        """What the model sees."""
+        return f"error: {self}"
+
+
+class WordedToolError(ToolError):
+    """A tool failure the environment words itself: the message is shown exactly as it is (TRL's
+    environments answer a raising tool with `str({"error": str(exc)})`)."""
+
+    def shown(self) -> str:
+        return str(self)
 
 
 class InvalidTool(ValueError):
@@ -53,6 +65,11 @@ class BoundTool:
     schema: ToolSchema
     validator: jsonschema.protocols.Validator
     fn: ToolFn
+
+    @classmethod
+    def of(cls, schema: ToolSchema, fn: ToolFn) -> BoundTool:
+        """`fn` under `schema`, its calls checked against `schema.parameters`."""
+        return cls(schema, jsonschema.Draft202012Validator(schema.parameters), fn)
 
 
 class ToolBox:
@@ -102,7 +119,7 @@ class ToolBox:
         try:
             output = await tool.fn(call.arguments)
         except ToolError as exc:
-            return refused(call, str(exc))
+            return ToolCallRecord(call.name, _json(call.arguments), False, self.cut(exc.shown()))
         return ToolCallRecord(call.name, _json(call.arguments), True, self.cut(output))
 
     def cut(self, text: str) -> str:
@@ -130,12 +147,10 @@ def schema_problem(validator: jsonschema.protocols.Validator, arguments: Mapping
 
 def bind(spec: ToolSpec, allowlist: FunctionAllowlist, sandbox: SandboxConfig) -> BoundTool:
     """The runnable form of a declaration."""
-    parameters = spec.resolved_parameters()
-    schema = ToolSchema(spec.name, spec.resolved_description(), parameters)
-    validator = jsonschema.Draft202012Validator(parameters)
+    schema = ToolSchema(spec.name, spec.resolved_description(), spec.resolved_parameters())
     if spec.kind == "builtin":
-        return BoundTool(schema, validator, builtin(spec.builtin, sandbox))
-    return BoundTool(schema, validator, user_tool(spec, allowlist))
+        return BoundTool.of(schema, builtin(spec.builtin, sandbox))
+    return BoundTool.of(schema, user_tool(spec, allowlist))
 
 
 def builtin(name: str, sandbox: SandboxConfig) -> ToolFn:
