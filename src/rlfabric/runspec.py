@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from rlfabric.environment.run_spec import RunEnvironmentSpec
 from rlfabric.runtime.config import StrictModel
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -365,7 +366,8 @@ class TrainSpec(SpecModel):
     steps: int = Field(default=100, ge=1, le=MAX_STEPS)
     """Optimizer steps in the run."""
     groups_per_step: int = Field(default=8, ge=1, le=MAX_BATCH)
-    """Scored groups consumed per step; in `offline_preference` mode, preference pairs per step."""
+    """Scored groups consumed per step; in `offline_preference` mode, preference pairs per step; in `sft`
+    mode, rows (conversations) per step."""
     micro_batch_size: int = Field(default=8, ge=1, le=MAX_BATCH)
     """Sequences per forward/backward; gradients are accumulated over the step."""
     checkpoint_every: int = Field(default=10, ge=1, le=MAX_STEPS)
@@ -413,6 +415,45 @@ class PreferenceSpec(SpecModel):
     """Column with the preferred completion (a string)."""
     rejected_field: str = "rejected"
     """Column with the dispreferred completion (a string)."""
+
+
+class SFTSpec(SpecModel):
+    """Supervised fine-tuning (`mode = "sft"`, and a warm start's `[warm_start.sft]`): the dataset's
+    columns, in TRL's SFT conventions. A row is conversational when `messages_field` holds a value: a
+    list of {role, content} messages (system, user, assistant, tool; an assistant message may carry
+    `tool_calls`). Otherwise it is prompt-completion: `dataset.prompt_field` and `completion_field`, each
+    a string or a list of messages (string ones become a user and an assistant message with
+    `dataset.chat_template`, else plain text ending with EOS). The loss is the cross-entropy of the
+    assistant tokens only (`rlfabric.learner.sft_data` says exactly which ids those are)."""
+
+    messages_field: str = "messages"
+    """Column with a conversational row's messages."""
+    completion_field: str = "completion"
+    """Column with a prompt-completion row's completion (its prompt is `dataset.prompt_field`)."""
+    tools_field: str = "tools"
+    """Column with a row's tools (a list of JSON-schema functions, or its JSON text), passed to the chat
+    template; a row where it is empty or absent uses `tools`."""
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    """Tools (JSON-schema functions, {type = "function", function = {name, description, parameters}})
+    of every row without its own."""
+
+
+class WarmStartSpec(SpecModel):
+    """A supervised warm start of an online run: `rlfabric up` first runs an SFT run (`mode = "sft"`)
+    of the run's model with these sections, then starts the online run from its final model
+    (`model.path`, and the reference unless `model.reference_path` is set). A completed warm start is
+    reused by `up --resume`. Only `rlfabric up` runs it; a run submitted to the services directly
+    starts from `model.path` as it is."""
+
+    dataset: DatasetSpec
+    """The SFT data (its `prompt_field`, `chat_template`, `system_prompt`, `epochs`, `shuffle_seed`,
+    `held_out_fraction`, `eval` and `eval_every_steps` as in a `mode = "sft"` run)."""
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+    """The data's columns and tools."""
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    """The warm start's optimiser (set its `lr`: the default is the RL one)."""
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    """Its steps, sequences per step (`groups_per_step`), micro-batches and checkpoints."""
 
 
 HealthCheck = Literal[
@@ -491,13 +532,21 @@ class RunSpec(SpecModel):
     """Learner schedule."""
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     """Weight publishing."""
-    mode: Literal["online", "offline_preference"] = "online"
+    mode: Literal["online", "offline_preference", "sft"] = "online"
     """online: RL on scored groups from the rollout and reward services; offline_preference: DPO/IPO on a
-    fixed dataset of (prompt, chosen, rejected) pairs, no rollout or reward service needed."""
+    fixed dataset of (prompt, chosen, rejected) pairs; sft: supervised fine-tuning on conversations or
+    prompt-completion rows. The offline modes need no rollout or reward service."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+    """Supervised fine-tuning's dataset columns and tools (used when mode = "sft")."""
+    warm_start: WarmStartSpec | None = None
+    """An SFT run `rlfabric up` runs before this online run, which then starts from its model."""
     health: HealthSpec = Field(default_factory=HealthSpec)
     """Run-health warning thresholds and automatic stops."""
+    environment: RunEnvironmentSpec | None = None
+    """Multi-turn rollouts: each sample is a trajectory played against this environment (tools, a user
+    environment class, or one written for TRL); None is single-turn (one prompt, one completion)."""
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunSpec:
@@ -509,6 +558,20 @@ class RunSpec(SpecModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _warm_start_is_online(self) -> RunSpec:
+        if self.warm_start is not None and self.mode != "online":
+            raise ValueError(f"warm_start: only an online run has a warm start (mode is {self.mode!r})")
+        return self
+
+    def warm_start_spec(self) -> RunSpec:
+        """The SFT run of `warm_start`: this run's model, its dataset, sft, optim and train sections."""
+        if self.warm_start is None:
+            raise ValueError("the run has no warm_start")
+        ws = self.warm_start
+        sections = {"dataset": ws.dataset, "sft": ws.sft, "optim": ws.optim, "train": ws.train}
+        return self.model_copy(update={**sections, "mode": "sft", "warm_start": None})
+
     def local_paths(self) -> dict[str, tuple[PathKind, str]]:
         """Every file or folder the spec names, by dotted field: the dataset ("data") and the models
         ("model"). A service that reads any of them from a spec it did not write confines them to its
@@ -516,6 +579,11 @@ class RunSpec(SpecModel):
         found: dict[str, tuple[PathKind, str]] = {"dataset.path": ("data", self.dataset.path)}
         if self.dataset.eval.path is not None:
             found["dataset.eval.path"] = ("data", self.dataset.eval.path)
+        if self.warm_start is not None:
+            warm = self.warm_start.dataset
+            found["warm_start.dataset.path"] = ("data", warm.path)
+            if warm.eval.path is not None:
+                found["warm_start.dataset.eval.path"] = ("data", warm.eval.path)
         models = {"path": self.model.path, "reference_path": self.model.reference_path}
         models["critic_path"] = self.model.critic_path
         found.update({f"model.{name}": ("model", p) for name, p in models.items() if p is not None})

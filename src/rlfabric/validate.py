@@ -309,6 +309,25 @@ def check_spec(spec: RunSpec, scorer_problems: Sequence[ScorerProblem] | None = 
     models, tokenizer = check_models(spec)
     report.extend(models)
     report.extend(check_dataset(spec, tokenizer))
+    report.extend(check_template(spec, tokenizer))
+    return report
+
+
+def check_template(spec: RunSpec, tokenizer: Any) -> CheckReport:
+    """A multi-turn run's chat-template self-test (`rollout.chat_template`): the template must extend a
+    tool conversation token for token (and render the tools, for an environment with tools)."""
+    report = CheckReport()
+    if spec.environment is None or tokenizer is None:
+        return report
+    from rlfabric.rollout.chat_template import multi_turn_self_test
+
+    with_tools = spec.environment.service.kind != "python"
+    mismatch = multi_turn_self_test(
+        tokenizer, with_tools=with_tools, template_kwargs=spec.dataset.chat_template_kwargs
+    )
+    if mismatch is not None:
+        message = f"the chat template cannot run multi-turn trajectories token for token: {mismatch}"
+        report.issues.append(SpecIssue("model.path", message, "chat_template_mismatch"))
     return report
 
 

@@ -290,7 +290,24 @@ class Counter(StrEnum):
     )
     EVAL_PROMPTS_TOO_LONG = "eval_prompts_too_long", "coordinator", "evaluation prompts skipped as too long"
     DROPPED_NOT_APPLICABLE = "dropped_not_applicable", "coordinator", "groups dropped: no reward applies"
+    DROPPED_ENVIRONMENT_ERROR = (
+        "dropped_environment_error",
+        "coordinator",
+        "groups dropped: a trajectory's environment failed or timed out, or its template mismatched",
+    )
     SCORER_ERRORS = "scorer_errors", "coordinator", "samples whose scorer failed"
+    ENVIRONMENT_ERRORS = (
+        "environment_errors",
+        "coordinator",
+        "trajectories the environment failed or timed out",
+    )
+    TRAJECTORIES = "trajectories", "coordinator", "multi-turn trajectories the replicas returned"
+    TRAJECTORY_TURNS = "trajectory_turns", "coordinator", "model turns in those trajectories"
+    TRAJECTORIES_TRUNCATED = "trajectories_truncated", "coordinator", "trajectories a limit cut short"
+    TOOL_CALLS = "tool_calls", "coordinator", "tool calls in those trajectories"
+    TOOL_ERRORS = "tool_errors", "coordinator", "tool calls that failed (malformed, unknown, refused, raised)"
+    PREFIX_PROMPT_TOKENS = "prefix_prompt_tokens", "coordinator", "prompt tokens of the trajectories' turns"
+    PREFIX_CACHED_TOKENS = "prefix_cached_tokens", "coordinator", "of those, found in the prefix cache"
     REDISPATCHES = "redispatches", "coordinator", "groups generated again (failed replica, restart)"
     SCORE_RETRIES = "score_retries", "coordinator", "Score calls retried while the reward service failed"
     STREAM_TRIMMED = "stream_trimmed", "coordinator", "acknowledged entries trimmed from the groups stream"
@@ -315,6 +332,9 @@ class DropReason(StrEnum):
     NOT_APPLICABLE = "not_applicable"
     """The coordinator: a sample's scorer does not apply to it (every user reward function returned None,
     TRL's "not applicable"); as in TRL such a sample carries no learning signal."""
+    ENVIRONMENT_ERROR = "environment_error"
+    """The coordinator: a trajectory's environment failed or timed out (never read as a reward of 0), or
+    the chat template could not extend its conversation token for token."""
 
     @property
     def counter(self) -> Counter:

@@ -15,8 +15,9 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import Counter
+from rlfabric.contracts.trajectory import FAILED_STATUSES
 from rlfabric.coordinator.dataset import EvalSource, PromptRow
 from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
 from rlfabric.reward.client import RewardServiceError
@@ -97,7 +98,9 @@ class Evaluator:
         """One prompt's rewards (ok items only) and sampled versions; nothing when it cannot be evaluated."""
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
-            samples = await self.pipeline.generate(item, row, self.sampling)
+            samples = [s for s in await self.pipeline.generate(item, row, self.sampling) if evaluable(s)]
+            if not samples:
+                return [], []
             scores = await self.score(row, samples)
         except InvalidPrompt as exc:
             if exc.too_long:
@@ -108,3 +111,10 @@ class Evaluator:
         except (ReplicaFailed, RewardServiceError):  # tolerated: an evaluation is skipped
             return [], []
         return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]
+
+
+def evaluable(sample: rollout_pb2.GeneratedSample) -> bool:
+    """False for a trajectory whose environment failed (nothing to score: not a reward of 0)."""
+    if not sample.HasField("trajectory"):
+        return True
+    return wire.trajectory_status_from_proto(sample.trajectory.status) not in FAILED_STATUSES

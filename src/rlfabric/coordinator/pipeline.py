@@ -39,6 +39,7 @@ import grpc
 from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
+from rlfabric.contracts.trajectory import FAILED_STATUSES
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, chat_prompt, load_prompt_sets
 from rlfabric.coordinator.evaluation import Evaluator
 from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
@@ -58,6 +59,9 @@ from rlfabric.runspec import RunSpec, SamplingSpec
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
+
+MODEL_TURN = common_pb2.TURN_ROLE_MODEL
+FAILED = FAILED_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,22 @@ def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
     INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
     details = error.details() or ""
     return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
+
+
+def trajectory_counts(samples: list[rollout_pb2.GeneratedSample]) -> dict[Counter, int]:
+    """What a multi-turn group adds to the run's counters."""
+    trajectories = [s.trajectory for s in samples]
+    statuses = [wire.trajectory_status_from_proto(t.status) for t in trajectories]
+    return {
+        Counter.TRAJECTORIES: len(trajectories),
+        Counter.TRAJECTORY_TURNS: sum(sum(turn.role == MODEL_TURN for turn in t.turns) for t in trajectories),
+        Counter.TRAJECTORIES_TRUNCATED: statuses.count("truncated"),
+        Counter.ENVIRONMENT_ERRORS: sum(status in FAILED for status in statuses),
+        Counter.TOOL_CALLS: sum(t.tool_calls for t in trajectories),
+        Counter.TOOL_ERRORS: sum(t.tool_errors for t in trajectories),
+        Counter.PREFIX_PROMPT_TOKENS: sum(t.prompt_tokens for t in trajectories),
+        Counter.PREFIX_CACHED_TOKENS: sum(t.cached_prompt_tokens for t in trajectories),
+    }
 
 
 class RunPipeline:
@@ -319,6 +339,29 @@ class RunPipeline:
                 await self.drop(item, DropReason.INVALID_PROMPT, str(exc)[:500])
                 return []
         await self.count(Counter.SAMPLES_GENERATED, len(samples))
+        if self.spec.environment is not None:
+            return await self.check_trajectories(item, samples)
+        return samples
+
+    async def check_trajectories(
+        self, item: InFlight, samples: list[rollout_pb2.GeneratedSample]
+    ) -> list[rollout_pb2.GeneratedSample]:
+        """Counts a multi-turn group's trajectories (turns, tool calls, prefix-cache hits, truncations,
+        environment failures); [] when one failed (the group is dropped with the reason
+        `environment_error`: an environment failure is never a reward of 0) or has no token at all (the
+        prompt leaves no room in the context: `prompt_too_long`)."""
+        counts = trajectory_counts(samples)
+        for counter, n in counts.items():
+            await self.count(counter, n)
+        failed = [s for s in samples if wire.trajectory_status_from_proto(s.trajectory.status) in FAILED]
+        if failed:
+            t = failed[0].trajectory
+            status = wire.trajectory_status_from_proto(t.status)
+            await self.drop(item, DropReason.ENVIRONMENT_ERROR, f"{status}: {t.message}"[:500])
+            return []
+        if any(not s.token_ids for s in samples):
+            await self.drop(item, DropReason.PROMPT_TOO_LONG, "the environment's prompt fills the context")
+            return []
         return samples
 
     async def refused_as_too_long(self, row: PromptRow, reason: str) -> None:
@@ -345,6 +388,17 @@ class RunPipeline:
             template_kwargs=data.chat_template_kwargs,
         )
 
+    def task_json(self, row: PromptRow) -> str:
+        """A multi-turn run's task for the environment's Reset: the row's columns, its reference (also
+        under its own column name) and `prompt` as generation sees it (the system prompt applied); "" for
+        a single-turn run."""
+        if self.spec.environment is None:
+            return ""
+        data = self.spec.dataset
+        named = {data.reference_field: row.reference} if data.reference_field else {}
+        task = {**row.metadata, "reference": row.reference, **named, "prompt": chat_prompt(row, data)}
+        return json.dumps(task, default=str)
+
     async def generate(
         self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
     ) -> list[rollout_pb2.GeneratedSample]:
@@ -360,10 +414,16 @@ class RunPipeline:
                 rollout_pb2.GeneratePrompt(
                     prompt_id=row.prompt_id,
                     prompt=self.prompt_proto(row),
+                    task_json=self.task_json(row),
                 )
             ],
             sampling=wire.sampling_to_proto(sampling or self.spec.rollout.sampling),
         )
+        if self.spec.environment is not None:
+            env = self.spec.environment
+            request.multi_turn.CopyFrom(
+                rollout_pb2.MultiTurn(max_turns=env.max_turns, max_total_tokens=env.max_total_tokens)
+            )
         failed = True
         try:
             samples = [

@@ -40,7 +40,7 @@ from rlfabric.learner.leader import Leader
 from rlfabric.learner.outputs import RunPaths
 from rlfabric.learner.queue import AppliedLedger, Delivery
 from rlfabric.learner.restart import checkpoint, restore
-from rlfabric.learner.samples import component_means
+from rlfabric.learner.samples import component_means, trajectory_means
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints, telemetry
 from rlfabric.v1 import learner_pb2, queue_pb2
@@ -125,6 +125,7 @@ class TrainingLoop:
         start = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train_step, groups)
         metrics.update(component_means(groups))
+        metrics.update(trajectory_means(groups))
         metrics["step_seconds"] = time.perf_counter() - start
         self.ledger.update(g.group_id for g in groups)
         self.applied_log.extend([self.trainer.step, g.group_id] for g in groups)

@@ -49,6 +49,10 @@ class Rollout:
     means every token is the policy's (a single-turn sample)."""
     turns: list[Turn] = field(default_factory=list)
     """The turns in order, partitioning the completion (the first starts at 0); empty when single-turn."""
+    tool_calls: int = 0
+    """Tool calls the policy made in the trajectory (multi-turn)."""
+    tool_errors: int = 0
+    """Of those, the ones that failed (malformed, unknown tool, off the schema, raised)."""
 
     @property
     def num_turns(self) -> int:
@@ -132,3 +136,19 @@ def component_means(groups: Sequence[GroupSamples]) -> dict[str, float]:
             for name, value in rollout.components.items():
                 values[name].append(value)
     return {f"{COMPONENT_PREFIX}{name}": sum(v) / len(v) for name, v in sorted(values.items())}
+
+
+def trajectory_means(groups: Sequence[GroupSamples]) -> dict[str, float]:
+    """A multi-turn step's trajectory metrics ({} for single-turn steps): model turns per trajectory
+    (`turns_mean`), tool calls per trajectory and the share of them that succeeded."""
+    rollouts = [r for g in groups for r in g.rollouts if r.turns]
+    if not rollouts:
+        return {}
+    calls = sum(r.tool_calls for r in rollouts)
+    metrics = {
+        "turns_mean": sum(sum(t.role == "model" for t in r.turns) for r in rollouts) / len(rollouts),
+        "tool_calls_mean": calls / len(rollouts),
+    }
+    if calls:
+        metrics["tool_call_success_rate"] = 1.0 - sum(r.tool_errors for r in rollouts) / calls
+    return metrics

@@ -11,6 +11,10 @@ local user could read it in the process list.
                                                        learner      RLFABRIC_LEARNER__PUBLISH_TOKEN
     learner   the learner's GetStatus                  learner      RLFABRIC_LEARNER__TOKEN
                                                        coordinator  RLFABRIC_COORDINATOR__LEARNER_TOKEN
+    environment  the environment service (multi-turn)  environment  RLFABRIC_ENVIRONMENT__TOKEN
+                                                       rollout      RLFABRIC_ROLLOUT__ENVIRONMENT__TOKEN
+                                                                    (only in a multi-turn run, with the
+                                                                    service's address)
 
 `up --resume` reads the same file, so a resumed run keeps its tokens.
 """
@@ -21,7 +25,7 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 FILE_NAME = "credentials.json"
@@ -35,8 +39,13 @@ SERVICE_ENV: dict[str, dict[str, str]] = {
     "reward": {"RLFABRIC_REWARD__TOKEN": "reward"},
     "rollout": {"RLFABRIC_ROLLOUT__LEARNER_TOKEN": "weights"},
     "learner": {"RLFABRIC_LEARNER__PUBLISH_TOKEN": "weights", "RLFABRIC_LEARNER__TOKEN": "learner"},
+    "environment": {"RLFABRIC_ENVIRONMENT__TOKEN": "environment"},
 }
 """Per service: environment variable -> the token (a field of `Credentials`) it carries."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
 
 
 class CredentialsError(RuntimeError):
@@ -51,11 +60,13 @@ class Credentials:
     reward: str
     weights: str
     learner: str
+    environment: str = ""
+    """Empty only in a file written before environments existed: `load` then makes one."""
 
     @classmethod
     def generate(cls) -> Credentials:
         """Fresh tokens, 32 random bytes each (URL-safe text)."""
-        return cls(*(secrets.token_urlsafe(32) for _ in range(4)))
+        return cls(*(new_token() for _ in range(5)))
 
     def env(self, service: str) -> dict[str, str]:
         """The environment variables that hand `service` its tokens (KeyError for an unknown service)."""
@@ -82,6 +93,7 @@ class Credentials:
             mode = path.stat().st_mode
             data = json.loads(path.read_text())
             credentials = cls(**{name: str(data[name]) for name in ("api", "reward", "weights", "learner")})
+            credentials = replace(credentials, environment=str(data.get("environment") or new_token()))
         except FileNotFoundError as exc:
             raise CredentialsError(f"{path} does not exist") from exc
         except (ValueError, KeyError, TypeError) as exc:

@@ -49,6 +49,7 @@ class Stack:
         self.run_dir = run_dir
         self.credentials = credentials
         self.procs: list[ServiceProcess] = []
+        self.environment_port: int | None = None
 
     def process(
         self, name: str, argv: list[str], env: dict[str, str] | None = None, *, service: str | None = None
@@ -122,6 +123,7 @@ REPLICA_READY = r"serving version (\d+)"
 
 
 REWARD_READY = r"listening on (\S+)"
+ENVIRONMENT_READY = r"environment service listening on (\S+)"
 
 
 LEARNER_READY = r"listening on (\S+)"
@@ -154,6 +156,9 @@ def start_services(
     if spec.mode == "offline_preference":
         return start_offline_services(stack, args, spec, redis_url)
     reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
+    environment = environment_process(stack, args, spec)
+    if environment is not None:
+        stack.start(environment, ENVIRONMENT_READY)
     eager_first = eager_start(args)
     replicas = [
         replica_process(stack, args, spec, redis_url, i, compile_=not eager_first and args.compile)
@@ -174,6 +179,8 @@ def start_services(
         (learner.proc, LEARNER_READY),
     ]
     supervised += [(proc, REPLICA_READY) for proc in replicas]
+    if environment is not None:
+        supervised.append((environment, ENVIRONMENT_READY))
 
     def replica(i: int) -> ServiceProcess:
         return replica_process(stack, args, spec, redis_url, i)
@@ -213,6 +220,55 @@ def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> Service
     argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")
+
+
+def environment_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess | None:
+    """A multi-turn run's environment service (not started), on the port `environment_address` names;
+    None for a single-turn run or one whose environment runs elsewhere (`environment.address`). User code
+    only from the run file's folder and what the run file names by module."""
+    env = spec.environment
+    if env is None or env.address is not None:
+        return None
+    port = environment_port(stack)
+    config = {
+        "server": {"port": port},
+        "environment": env.service.model_dump(mode="json"),
+        "allowed_functions": allowed_environment_functions(env.service, args.run_file),
+        "step_timeout_s": env.step_timeout_s,
+        "max_sessions": env.max_sessions,
+        "max_steps": env.max_turns + 1,
+        "log": {"format": "text"},
+    }
+    path = stack.run_dir / "environment.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return stack.process(
+        "environment", cli("serve", "environment", "--config", str(path)), service="environment"
+    )
+
+
+def environment_port(stack: Stack) -> int:
+    """The environment service's port: chosen once per `up` (replicas started later reach it there)."""
+    if stack.environment_port is None:
+        stack.environment_port = free_port()
+    return stack.environment_port
+
+
+def environment_address(stack: Stack, spec: Any) -> str | None:
+    """Where a multi-turn run's replicas find the environment service; None for a single-turn run."""
+    env = spec.environment
+    if env is None:
+        return None
+    return env.address or f"127.0.0.1:{environment_port(stack)}"
+
+
+def allowed_environment_functions(service: Any, run_file: str | None) -> list[str]:
+    """The environment service's `allowed_functions`: the run file's folder and every reference the
+    environment names by module (its class or factory, its tools' functions)."""
+    folder = [str(Path(run_file).resolve().parent)] if run_file else []
+    refs = [getattr(service, "ref", None), *(getattr(t, "ref", None) for t in getattr(service, "tools", []))]
+    kinds = [getattr(service, "kind", ""), *(getattr(t, "kind", "") for t in getattr(service, "tools", []))]
+    by_module = [r for r, k in zip(refs, kinds, strict=True) if r and k != "builtin" and ".py:" not in r]
+    return folder + by_module
 
 
 def coordinator_process(
@@ -280,6 +336,11 @@ def replica_process(
     for setting in settings:
         argv += ["--set", setting]
     env = vllm_env(compile_=compile_)
+    address = environment_address(stack, spec)
+    if address is not None:
+        argv += ["--set", f"environment.address={address}"]
+        if stack.credentials is not None:
+            env["RLFABRIC_ROLLOUT__ENVIRONMENT__TOKEN"] = stack.credentials.environment
     if args.replica_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.replica_cores[i % len(args.replica_cores)]
     return stack.process(name, argv, env, service="rollout")

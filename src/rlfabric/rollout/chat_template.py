@@ -349,3 +349,19 @@ def check_model_template(
         report.mismatch = TemplateMismatch(0, "system", reason)
         return report
     return self_test(tokenizer, template_kwargs=template_kwargs)
+
+
+def multi_turn_self_test(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    with_tools: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> TemplateMismatch | None:
+    """The self-test a multi-turn run needs (None: it passes): with tools, the template must render
+    them and keep a tool conversation token for token; without, the same conversation without tools."""
+    if with_tools and not renders_tools(tokenizer):
+        return TemplateMismatch(
+            0, "system", "the chat template does not render tools (no tool name in the prompt)"
+        )
+    tools = SELF_TEST_TOOLS if with_tools else None
+    return self_test(tokenizer, tools=tools, template_kwargs=template_kwargs).mismatch

@@ -30,6 +30,7 @@ from rlfabric.rollout.replica import Limits, Replica
 from rlfabric.rollout.server import RolloutServicer
 from rlfabric.rollout.weights_source import WeightsSource
 from rlfabric.runtime import hardware
+from rlfabric.runtime.config import ConfigError
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.runtime.logs import setup_logging
@@ -301,12 +302,30 @@ async def run(config: RolloutServiceConfig) -> None:
         parts.weights.close()
 
 
+def check_template_for_environment(config: RolloutServiceConfig) -> None:
+    """A replica that plays multi-turn trajectories refuses to start when its model's chat template
+    fails the self-test (`rollout.chat_template`): it would train on ids the template does not render."""
+    if config.environment is None:
+        return
+    from transformers import AutoTokenizer
+
+    from rlfabric.rollout.chat_template import multi_turn_self_test, renders_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(config.engine.model)
+    mismatch = multi_turn_self_test(tokenizer, with_tools=renders_tools(tokenizer))
+    if mismatch is not None:
+        raise ConfigError(f"engine.model: the chat template fails the multi-turn self-test: {mismatch}")
+    log.info("chat template self-test passed (multi-turn)")
+
+
 def serve(config: RolloutServiceConfig) -> int:
-    """The replica's entry: refuses to start without the learner's token (unless insecure), then serves."""
+    """The replica's entry: refuses to start without the learner's token (unless insecure), or with a
+    chat template a multi-turn environment cannot use, then serves."""
     setup_logging("rollout", config.log.level, config.log.format)
     require_credentials(
         "rollout", [Credential("learner_token", config.learner_token)], insecure=config.insecure
     )
+    check_template_for_environment(config)
     setup_tracing("rlfabric-rollout")
     if config.server.metrics_port is not None:
         port = start_metrics_server(config.server.host, config.server.metrics_port)

@@ -111,6 +111,8 @@ def rollout_from_proto(sample: queue_pb2.ScoredSample) -> Rollout:
         components=dict(sample.reward.components),
         loss_mask=loss_mask_from_proto(sample.loss_mask),
         turns=[turn_from_proto(t) for t in sample.turns],
+        tool_calls=sample.tool_calls,
+        tool_errors=sample.tool_errors,
     )
 
 
