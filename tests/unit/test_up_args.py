@@ -30,7 +30,10 @@ def test_replica_cores_bind_each_replica_to_its_entry_in_turn(tmp_path: Path) ->
     assert args.replica_cores == ["0", "1-3"]
     stack = stack_mod.Stack(tmp_path)
     spec = SimpleNamespace(
-        name="r", output_dir=str(tmp_path), model=SimpleNamespace(path="m", max_model_len=64, dtype="auto")
+        name="r",
+        output_dir=str(tmp_path),
+        environment=None,
+        model=SimpleNamespace(path="m", max_model_len=64, dtype="auto"),
     )
     binds = [
         stack_mod.replica_process(stack, args, spec, "redis://x", i).env["VLLM_CPU_OMP_THREADS_BIND"]
@@ -45,7 +48,10 @@ def test_without_replica_cores_the_environment_decides(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-3")
     args = parse("--engine", "vllm")
     spec = SimpleNamespace(
-        name="r", output_dir=str(tmp_path), model=SimpleNamespace(path="m", max_model_len=64, dtype="auto")
+        name="r",
+        output_dir=str(tmp_path),
+        environment=None,
+        model=SimpleNamespace(path="m", max_model_len=64, dtype="auto"),
     )
     proc = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"

@@ -19,15 +19,26 @@ def test_the_file_is_owner_only_and_holds_distinct_tokens(tmp_path: Path) -> Non
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     data = json.loads(path.read_text())
     assert data == {"api": credentials.api, "reward": credentials.reward, "weights": credentials.weights,
-                    "learner": credentials.learner}  # fmt: skip
-    assert len(set(data.values())) == 4 and all(len(token) >= 40 for token in data.values())
+                    "learner": credentials.learner, "environment": credentials.environment}  # fmt: skip
+    assert len(set(data.values())) == 5 and all(len(token) >= 40 for token in data.values())
     assert for_run(tmp_path, resume=True) == credentials  # --resume keeps them
     assert for_run(tmp_path, resume=False) != credentials
+
+
+def test_a_file_from_before_environments_gets_an_environment_token(tmp_path: Path) -> None:
+    credentials = for_run(tmp_path, resume=False)
+    path = tmp_path / "credentials.json"
+    data = json.loads(path.read_text())
+    del data["environment"]
+    path.write_text(json.dumps(data))
+    resumed = for_run(tmp_path, resume=True)
+    assert resumed.api == credentials.api and len(resumed.environment) >= 40
 
 
 def test_each_service_gets_its_own_tokens_under_the_agreed_names(tmp_path: Path) -> None:
     c = Credentials.generate()
     assert c.env("reward") == {"RLFABRIC_REWARD__TOKEN": c.reward}
+    assert c.env("environment") == {"RLFABRIC_ENVIRONMENT__TOKEN": c.environment}
     assert c.env("coordinator") == {
         "RLFABRIC_COORDINATOR__API__TOKEN": c.api,
         "RLFABRIC_COORDINATOR__REWARD_TOKEN": c.reward,

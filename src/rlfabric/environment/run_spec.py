@@ -35,13 +35,13 @@ class RunEnvironmentSpec(StrictModel):
     that service's business."""
     max_turns: int = Field(default=4, ge=1, le=256)
     """Model turns per trajectory; reaching it before the environment is done truncates it."""
-    max_total_tokens: int = Field(default=0, ge=0)
+    max_total_tokens: int = Field(default=0, ge=0, le=1 << 20)
     """Tokens per trajectory after the prompt (model and environment turns together); 0 is up to
     model.max_model_len. `rollout.sampling.max_tokens` bounds each model turn."""
     step_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of each environment reset and step (the served environment's); past it the trajectory
     ends env_timeout and its group is dropped (counted), never scored as 0."""
-    max_sessions: int = Field(default=1024, ge=1)
+    max_sessions: int = Field(default=1024, ge=1, le=1 << 20)
     """Sessions the served environment keeps open at once."""
 
     @model_validator(mode="after")
