@@ -12,6 +12,10 @@ The schema (`RunSpec`) says whether a run file is well formed; this module says 
     dataset   the training split (and a separate evaluation split) of a local dataset reads, through
               `rlfabric.data` as the run reads it; the columns the run reads exist in its first rows;
               the first training prompts fit the context. Hub datasets are not downloaded here
+    sft       (`mode = "sft"`, and an online run's `warm_start`, whose issues name `warm_start.*`) the
+              first rows parse as conversations or prompt-completion rows and, with the tokenizer,
+              render incrementally as the run renders them (`rlfabric.learner.sft_data`); rows longer
+              than the context are a note (they are truncated)
 
 Every issue names the run-spec field it is about (`SpecIssue.field`, dotted, e.g. `reward.params.pattern`).
 Light by design: no torch, grpc or scorer import; transformers only inside `check_models`.
@@ -133,11 +137,8 @@ def check_paths(spec: RunSpec) -> CheckReport:
 
 
 def data_fields(spec: RunSpec) -> dict[str, str]:
-    """Every dataset path the spec names, by field."""
-    named = {"dataset.path": spec.dataset.path}
-    if spec.dataset.eval.path is not None:
-        named["dataset.eval.path"] = spec.dataset.eval.path
-    return named
+    """Every dataset path the spec names, by field (a warm start's too)."""
+    return {name: path for name, (kind, path) in spec.local_paths().items() if kind == "data"}
 
 
 # -- models ---------------------------------------------------------------------------------------------
@@ -208,6 +209,8 @@ def _first_line(exc: BaseException) -> str:
 def column_fields(spec: RunSpec) -> dict[str, str]:
     """The columns the run reads from each row, by the field that names them."""
     data = spec.dataset
+    if spec.mode == "sft":
+        return {}  # a row holds messages, or a prompt and a completion: `check_sft_rows`
     columns = {"dataset.prompt_field": data.prompt_field}
     if spec.mode == "offline_preference":
         columns["preference.chosen_field"] = spec.preference.chosen_field
@@ -232,7 +235,9 @@ def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) 
         report.extend(eval_report)
         if evaluated is not None:
             report.issues += missing_columns(spec, evaluated, within="the evaluation set")
-    if tokenizer is not None and not report.issues:
+    if spec.mode == "sft" and not report.issues:
+        report.extend(check_sft_rows(spec, records, tokenizer))
+    elif tokenizer is not None and not report.issues:
         report.extend(check_prompt_lengths(spec, records, tokenizer))
     return report
 
@@ -298,6 +303,55 @@ def prompt_tokens(spec: RunSpec, prompt: Any, tokenizer: Any) -> int:
     return len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+# -- sft ------------------------------------------------------------------------------------------------
+
+
+def check_sft_rows(spec: RunSpec, records: Sequence[Any], tokenizer: Any) -> CheckReport:
+    """The first rows as the SFT run reads them: the first row that does not parse is one issue naming
+    its field; with a tokenizer each row renders as the run renders it (a template that cannot be
+    rendered incrementally is an issue of `model.path`) and rows longer than the context are a note."""
+    from rlfabric.learner.sft_data import SFTRowError, SFTTokenizer, parse_row
+
+    encoder = SFTTokenizer(tokenizer, spec) if tokenizer is not None else None
+    lengths = []
+    for index, record in enumerate(records):
+        try:
+            parsed = parse_row(record if isinstance(record, dict) else {}, spec, index)
+            if encoder is not None:
+                lengths.append(len(encoder.encode(parsed, index)[0]))
+        except SFTRowError as exc:
+            return CheckReport(issues=[SpecIssue(exc.field, exc.detail, "bad_row")])
+        except ValueError as exc:  # the template's refusal (`TemplateMismatch`) or its absence
+            message = f"row {index + 1} does not render with the chat template: {_first_line(exc)}"
+            return CheckReport(issues=[SpecIssue("model.path", message, "chat_template_mismatch")])
+    long = [n for n in lengths if n > spec.model.max_model_len]
+    if not long:
+        return CheckReport()
+    summary = f"{len(long)} of the first {len(lengths)} rows exceed model.max_model_len (longest {max(long)})"
+    return CheckReport(notes=[f"model.max_model_len: {summary}; they are truncated"])
+
+
+WARM_START_SECTIONS = ("dataset", "sft", "optim", "train")
+"""The sections of a warm start: its issues about them are named `warm_start.<field>`."""
+
+
+def check_warm_start(spec: RunSpec, tokenizer: Any) -> CheckReport:
+    """The warm start's data as its SFT run reads it (`check_dataset` of `RunSpec.warm_start_spec`)."""
+    if spec.warm_start is None:
+        return CheckReport()
+    report = check_dataset(spec.warm_start_spec(), tokenizer)
+    report.issues = [warm_start_issue(issue) for issue in report.issues]
+    report.notes = [f"warm_start: {note}" for note in report.notes]
+    return report
+
+
+def warm_start_issue(issue: SpecIssue) -> SpecIssue:
+    """An issue of the warm start's SFT spec named as the online run file names its field."""
+    if not issue.field.startswith(WARM_START_SECTIONS):
+        return issue
+    return SpecIssue(f"warm_start.{issue.field}", issue.message, issue.kind)
+
+
 # -- all together ---------------------------------------------------------------------------------------
 
 
@@ -309,6 +363,7 @@ def check_spec(spec: RunSpec, scorer_problems: Sequence[ScorerProblem] | None = 
     models, tokenizer = check_models(spec)
     report.extend(models)
     report.extend(check_dataset(spec, tokenizer))
+    report.extend(check_warm_start(spec, tokenizer))
     report.extend(check_template(spec, tokenizer))
     return report
 

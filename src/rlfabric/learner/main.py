@@ -2,7 +2,7 @@
 
 The process entry: logging, credentials, tracing, the process group, then the service's training loop
 (`loop.TrainingLoop`, every rank; rank 0's I/O is `leader.Leader`). `run.mode = "offline_preference"`
-runs `offline.py` instead.
+and `"sft"` run `offline.py` instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def serve(config: LearnerServiceConfig) -> int:
     """Run this rank of the learner to the end of the run; returns the exit code."""
-    if config.run.mode == "offline_preference":
+    if config.run.mode in ("offline_preference", "sft"):
         from rlfabric.learner.offline import serve_offline
 
         return serve_offline(config)

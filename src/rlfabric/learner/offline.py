@@ -29,6 +29,9 @@ file, a `save_to_disk` folder, a folder of data files or a hub id, with `dataset
 `preference.chosen_field` and `preference.rejected_field` hold strings. With `dataset.chat_template` the
 prompt is rendered with the model's chat template (a string becomes one user message) and each completion
 ends with the tokenizer's EOS token. `dataset.held_out_fraction` and `eval_every_steps` are not used here.
+
+`OfflineRun` is also the loop of supervised fine-tuning (`mode = "sft"`, `sft_run.SFTRun`): the same
+draw, persist, publish and report, with examples for pairs, held-out evaluation and a final model.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic
 
 import torch
 
@@ -62,6 +65,7 @@ from rlfabric.learner.dist import (
 )
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
+from rlfabric.learner.trainer_base import ItemT, TrainerBase
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime.logs import setup_logging
 from rlfabric.weights import versions as store
@@ -130,9 +134,9 @@ def load_pairs(spec: RunSpec) -> list[PreferencePair]:
     return pairs
 
 
-def training_order(pairs: Sequence[PreferencePair], epochs: int, seed: int | None) -> list[PreferencePair]:
+def training_order(pairs: Sequence[ItemT], epochs: int, seed: int | None) -> list[ItemT]:
     """`epochs` passes over `pairs`, pass e shuffled with `seed + e` (file order when `seed` is None)."""
-    order: list[PreferencePair] = []
+    order: list[ItemT] = []
     for epoch in range(epochs):
         one_pass = list(pairs)
         if seed is not None:
@@ -194,10 +198,17 @@ class RedisReports:
         self.loop.close()
 
 
-class OfflineRun:
-    """One rank's offline preference run: draw, train, persist, publish, report."""
+class OfflineRun(Generic[ItemT]):
+    """One rank's offline run: draw, train, persist, publish, report. The items are preference pairs
+    here; a subclass trains on other items (`sft_run.SFTRun`) by naming them (`item_id`, the row keys)
+    and adding to a step's metrics (`extra_metrics`) and to the end of the run (`finish`)."""
 
-    def __init__(self, config: LearnerServiceConfig, world: World, trainer: PreferenceTrainer) -> None:
+    CONSUMED_KEY = "pairs_consumed"
+    """Metrics-row and weights-metadata key: items of the training order consumed so far."""
+    IDS_KEY = "pair_ids"
+    """Metrics-row key: the ids of the step's items."""
+
+    def __init__(self, config: LearnerServiceConfig, world: World, trainer: TrainerBase[ItemT]) -> None:
         self.config, self.spec, self.world, self.trainer = config, config.run, world, trainer
         self.paths = RunPaths.of(config)
         self.state = OfflineState()
@@ -205,7 +216,7 @@ class OfflineRun:
         self.checkpoint_step = -1
         self.reports = RedisReports(config) if config.report_to_redis and world.is_main else None
 
-    def run(self, order: Sequence[PreferencePair]) -> int:
+    def run(self, order: Sequence[ItemT]) -> int:
         """Train until the step budget or the data runs out (or SIGTERM); returns the final step."""
         self.resume(order)
         per_step = self.spec.train.groups_per_step
@@ -214,6 +225,7 @@ class OfflineRun:
             self.step(order[self.state.cursor : self.state.cursor + per_step], last)
         if self.trainer.step > 0 and self.checkpoint_step != self.trainer.step:
             self.persist()
+        self.finish()
         if self.world.is_main:
             step, version = self.trainer.step, self.trainer.policy_version
             print(f"rlfabric offline learner done at step {step}, version {version}", flush=True)
@@ -223,7 +235,7 @@ class OfflineRun:
             self.reports.close()
         return self.trainer.step
 
-    def resume(self, order: Sequence[PreferencePair]) -> None:
+    def resume(self, order: Sequence[ItemT]) -> None:
         """Restore the newest complete checkpoint (if any) and pick the next weights version (above the
         checkpoint's and every published one; rank 0's view of the store, shared by all ranks): the trainer
         holds the current weights under the version below it, and each step advances it by one."""
@@ -231,8 +243,8 @@ class OfflineRun:
         if latest is not None:
             self.state = OfflineState.from_extra(self.trainer.load_checkpoint(latest))
             self.checkpoint_step = self.trainer.step
-            if [p.pair_id for p in order[: self.state.cursor]] != self.state.consumed:
-                raise ValueError(f"{latest} consumed other pairs: the dataset or its order changed")
+            if [self.item_id(p) for p in order[: self.state.cursor]] != self.state.consumed:
+                raise ValueError(f"{latest} consumed other rows: the dataset or its order changed")
             log.info("resumed", extra={"checkpoint": str(latest), "step": self.trainer.step})
         published = (store.latest_committed(self.paths.weights_root) or 0) if self.world.is_main else 0
         self.trainer.renumber(all_reduce_max(max(self.trainer.policy_version, published), self.world))
@@ -244,13 +256,25 @@ class OfflineRun:
             self.stopping = True
         return all_reduce_max(int(self.stopping), self.world) > 0
 
-    def step(self, pairs: Sequence[PreferencePair], last: int) -> None:
-        """Phases 2-5 of the module docstring on the step's pairs."""
+    def item_id(self, item: Any) -> str:
+        """The ledger id of one item: a pair's `pair_id`."""
+        return str(item.pair_id)
+
+    def extra_metrics(self) -> dict[str, float]:
+        """What a subclass adds to the metrics of the step just trained (collective): nothing here."""
+        return {}
+
+    def finish(self) -> None:
+        """What a subclass does once the run's last checkpoint is written (collective): nothing here."""
+
+    def step(self, pairs: Sequence[ItemT], last: int) -> None:
+        """Phases 2-5 of the module docstring on the step's pairs (or other items)."""
         start = time.perf_counter()
         metrics = self.trainer.train_step(pairs)
         metrics["step_seconds"] = time.perf_counter() - start
+        metrics.update(self.extra_metrics())
         self.state.cursor += len(pairs)
-        self.state.consumed.extend(p.pair_id for p in pairs)
+        self.state.consumed.extend(self.item_id(p) for p in pairs)
         if self.trainer.step % self.spec.train.checkpoint_every == 0 or self.trainer.step >= last:
             metrics["checkpoint_seconds"] = self.persist()
         metrics["publish_seconds"] = self.publish()
@@ -270,13 +294,13 @@ class OfflineRun:
         start = time.perf_counter()
         state_dict = self.trainer.full_state_dict()
         if self.world.is_main:
-            metadata = {"step": self.trainer.step, "pairs_consumed": self.state.cursor}
+            metadata = {"step": self.trainer.step, self.CONSUMED_KEY: self.state.cursor}
             version = self.trainer.policy_version
             store.publish_version(self.paths.weights_root, version, state_dict, metadata=metadata)
             store.prune(self.paths.weights_root, keep=self.spec.weights.keep_versions)
         return time.perf_counter() - start
 
-    def report(self, metrics: dict[str, float], pairs: Sequence[PreferencePair]) -> None:
+    def report(self, metrics: dict[str, float], pairs: Sequence[ItemT]) -> None:
         """Rank 0: one metrics.jsonl row for the step."""
         if not self.world.is_main:
             return
@@ -285,7 +309,8 @@ class OfflineRun:
             "policy_version": self.trainer.policy_version,
             "time": time.time(),
         }
-        row.update(metrics, pairs_consumed=self.state.cursor, pair_ids=[p.pair_id for p in pairs])
+        row.update(metrics)
+        row.update({self.CONSUMED_KEY: self.state.cursor, self.IDS_KEY: [self.item_id(p) for p in pairs]})
         write_metrics(self.paths.metrics, row)
         if self.reports is not None:
             self.reports.step(row)
@@ -304,7 +329,11 @@ def run_offline(config: LearnerServiceConfig, device: torch.device | None = None
     spec = config.run
     trainer = PreferenceTrainer(spec, spec.model.path, device=world.device, world=world)
     order = training_order(load_pairs(spec), spec.dataset.epochs, spec.dataset.shuffle_seed)
-    offline = OfflineRun(config, world, trainer)
+    return run_until_stopped(OfflineRun(config, world, trainer), order)
+
+
+def run_until_stopped(offline: OfflineRun[ItemT], order: Sequence[ItemT]) -> int:
+    """`offline.run(order)`, SIGTERM asking it to stop (when this is the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return offline.run(order)
     previous = signal.signal(signal.SIGTERM, offline.request_stop)
@@ -315,12 +344,18 @@ def run_offline(config: LearnerServiceConfig, device: torch.device | None = None
 
 
 def serve_offline(config: LearnerServiceConfig) -> int:
-    """`rlfabric serve learner` when `run.mode == "offline_preference"`: returns the exit code. Prints
-    `READY_LINE` first (`rlfabric up` waits for it: this learner serves no status API)."""
+    """`rlfabric serve learner` when `run.mode` is "offline_preference" or "sft" (`sft_run.run_sft`):
+    returns the exit code. Prints `READY_LINE` first (`rlfabric up` waits for it: this learner serves
+    no status API)."""
     setup_logging("learner", config.log.level, config.log.format)
     print(f"{READY_LINE} for run {config.run_id}", flush=True)
     try:
-        run_offline(config)
+        if config.run.mode == "sft":
+            from rlfabric.learner.sft_run import run_sft
+
+            run_sft(config)
+        else:
+            run_offline(config)
         leave_together()
     finally:
         destroy_distributed()

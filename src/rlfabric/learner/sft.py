@@ -1,0 +1,163 @@
+"""Supervised fine-tuning (`mode = "sft"`): cross-entropy on the assistant's tokens, FSDP2-sharded.
+
+`SFTTrainer.train_step(examples)` runs in named phases, like the other trainers:
+1. plan: this rank's share of the examples (round-robin), cut into micro-batches of
+   `train.micro_batch_size` sequences (shortest first, so little is padding), padded to the same count on
+   every rank (FSDP collectives need it), and the step's trained-token count summed over the ranks;
+2. accumulate: per micro-batch, the policy's log-prob of each target and the summed negative log-prob of
+   the masked ones divided by the step's global token count, backpropagated;
+3. optimizer step: grad clipping, AdamW, LR schedule (`parts.build_optimizer`);
+4. metrics: one all-reduce of every summed statistic.
+
+The loss is the mean over every assistant token of the step, on every rank (TRL's `assistant_only_loss`
+normalised by the whole batch's token count), so gradient accumulation and sharding are exact: FSDP
+averages gradients over ranks, so each rank's loss is also multiplied by the world size. An example is a
+one-token "prompt" (its first id, never a target) and a completion of the rest whose loss mask is the
+example's mask: the target layout of `batch.MicroBatch` then puts mask[t + 1] at position t. No reference
+model is loaded. `evaluate` is the same token mean without gradient, on held-out examples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rlfabric.learner.algorithms import masked_sum
+from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
+from rlfabric.learner.checkpoint import TrainObjects
+from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, defer_gradient_sync
+from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model
+from rlfabric.learner.preference import token_logprobs
+from rlfabric.learner.sft_data import SFTExample
+from rlfabric.learner.trainer_base import TrainerBase
+from rlfabric.runspec import RunSpec
+
+SUMMED = ("nll", "correct", "tokens", "sequences")
+"""Per-step sums: negative log-likelihood and correctly predicted tokens over the trained tokens, the
+trained tokens and the sequences."""
+
+
+def examples_as_groups(examples: Sequence[SFTExample]) -> list[GroupSamples]:
+    """Each example as a one-sample group: its first id the prompt, the rest a completion with its mask."""
+    return [
+        GroupSamples(
+            e.token_ids[:1],
+            [Rollout(e.token_ids[1:], [0.0] * (len(e.token_ids) - 1), 0.0, loss_mask=e.loss_mask[1:])],
+            e.example_id,
+        )
+        for e in examples
+    ]
+
+
+def token_nll(model: torch.nn.Module, mb: MicroBatch, pad_id: int) -> tuple[Tensor, Tensor]:
+    """The summed negative log-prob of the masked targets () and how many of them are the argmax ()."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    targets = mb.targets(pad_id)
+    nll = -masked_sum(token_logprobs(logits, targets), mb.loss_mask)
+    correct = masked_sum((logits.detach().argmax(-1) == targets).float(), mb.loss_mask)
+    return nll, correct
+
+
+class SFTTrainer(TrainerBase[SFTExample]):
+    """Policy, optimizer and schedule of one learner rank, trained on SFT examples (no reference)."""
+
+    def __init__(
+        self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World, total_steps: int
+    ) -> None:
+        super().__init__(spec, device=device, world=world)
+        self.model = load_model(
+            model_path,
+            device,
+            self.dtype,
+            trainable=True,
+            checkpointing=spec.train.activation_checkpointing,
+            compile_blocks=spec.train.compile,
+        )
+        schedule = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": total_steps})})
+        self.optimizer, self.scheduler = build_optimizer(self.model, schedule)
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    def _train(self, examples: Sequence[SFTExample]) -> dict[str, float]:
+        """One optimizer step on `examples` (`TrainerBase.train_step`). Returns global metrics."""
+        if not examples:
+            raise ValueError("a train step needs at least one example")
+        self.optimizer.zero_grad(set_to_none=True)
+        plan, tokens = self.plan(examples)
+        sums = self._accumulate(plan, tokens)
+        grad_norm, lr = clip_and_step(self.model, self.optimizer, self.scheduler, self.spec.optim.grad_clip)
+        metrics = self._finish_metrics(sums)
+        metrics.update(grad_norm=grad_norm, lr=lr)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[SFTExample]) -> dict[str, float]:
+        """The token-mean loss and accuracy on `examples` (the same list on every rank; collective), as
+        `eval_loss`, `eval_token_accuracy`, `eval_tokens` and `eval_sequences`."""
+        plan, _ = self.plan(examples)
+        sums: dict[str, Tensor] = {}
+        self.model.eval()
+        for mb in plan:
+            nll, correct = token_nll(self.model, mb, self.pad_id)
+            add(sums, nll=nll, correct=correct, tokens=mb.loss_mask.sum(), sequences=real_rows(mb))
+        self.model.train()
+        return {f"eval_{name}": value for name, value in self._finish_metrics(sums).items()}
+
+    def plan(self, examples: Sequence[SFTExample]) -> tuple[list[MicroBatch], float]:
+        """Phase 1: this rank's micro-batches on the device, as many on every rank, and the trained
+        tokens of all the examples."""
+        mine = list(examples[self.world.rank :: self.world.size])
+        mbs = build_micro_batches(
+            examples_as_groups(mine), self.spec.train.micro_batch_size, self.pad_id, by_length=True
+        )
+        mbs += [
+            empty_micro_batch(self.pad_id) for _ in range(all_reduce_max(len(mbs), self.world) - len(mbs))
+        ]
+        local = torch.tensor([float(sum(sum(e.loss_mask[1:]) for e in mine))], device=self.device)
+        return [mb.to(self.device) for mb in mbs], float(all_reduce_sum(local, self.world).item())
+
+    def _train_objects(self) -> TrainObjects:
+        return TrainObjects(self.model, self.optimizer, self.scheduler)
+
+    # -- phase 2: accumulate ----------------------------------------------------------------------------
+
+    def _accumulate(self, plan: list[MicroBatch], global_tokens: float) -> dict[str, Tensor]:
+        """Forward and backward over every micro-batch; returns the step's summed statistics (local)."""
+        sums: dict[str, Tensor] = {}
+        scale = self.world.size / max(global_tokens, 1.0)
+        for i, mb in enumerate(plan):
+            defer_gradient_sync([self.model], self.world, defer=i < len(plan) - 1)
+            nll, correct = token_nll(self.model, mb, self.pad_id)
+            (nll * scale).backward()  # a padding micro-batch's mask is all 0: only its collectives count
+            add(sums, nll=nll.detach(), correct=correct, tokens=mb.loss_mask.sum(), sequences=real_rows(mb))
+        return sums
+
+    # -- phase 4: metrics -------------------------------------------------------------------------------
+
+    def _finish_metrics(self, sums: dict[str, Tensor]) -> dict[str, float]:
+        """Sum every statistic over the ranks (one all-reduce); loss and accuracy as means per token."""
+        zero = torch.zeros((), device=self.device)
+        stacked = torch.stack([sums.get(n, zero).float() for n in SUMMED])
+        total = dict(zip(SUMMED, all_reduce_sum(stacked, self.world).tolist(), strict=True))
+        tokens = max(total["tokens"], 1.0)
+        return {
+            "loss": total["nll"] / tokens,
+            "token_accuracy": total["correct"] / tokens,
+            "tokens": total["tokens"],
+            "sequences": total["sequences"],
+        }
+
+
+def add(sums: dict[str, Tensor], **values: Tensor) -> None:
+    """Add each value into `sums` under its name."""
+    for name, value in values.items():
+        sums[name] = sums[name] + value if name in sums else value
+
+
+def real_rows(mb: MicroBatch) -> Tensor:
+    """Rows of the micro-batch with a trained token (a padding micro-batch has none): ()."""
+    return (mb.loss_mask.sum(-1) > 0).sum().float()

@@ -1,0 +1,111 @@
+"""Supervised runs under `rlfabric up`: the warm start of an online run (`[warm_start]`), and run files of
+`mode = "sft"`. Both run the learner alone (`rlfabric serve learner`, the offline SFT run of
+`rlfabric.learner.sft_run`; under torchrun with `--learner-ranks`), guarded like every process of `up`;
+no other service is needed.
+
+A warm start, before the online run's services start:
+
+    1. plan     the SFT run: `RunSpec.warm_start_spec()` (mode "sft": the run's model, the warm start's
+                dataset, sft, optim and train), run id `warm_start`, writing into the run's output folder:
+                <output_dir>/<name>/warm_start/ (checkpoints, weights, metrics.jsonl, model/)
+    2. reuse    a committed final model (`learner.export.is_committed`) is the result and nothing runs:
+                `up --resume` after the warm start finished
+    3. run      otherwise the learner until it exits; an interrupted or crashed warm start resumes from its
+                last checkpoint on `up --resume`; one that fails raises `WarmStartFailed`
+    4. hand on  the online spec starting from the final model: `model.path` is the final model, which the
+                reference and the critic follow unless `model.reference_path` or `model.critic_path` is
+                set; the `warm_start` section is dropped (the services never see it)
+
+An SFT run file runs steps 2-3 of itself: its run id is its name, its output the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlfabric.learner.export import final_model_dir, is_committed
+from rlfabric.local.stack import OFFLINE_LEARNER_READY, Stack, cli
+from rlfabric.runspec import RunSpec
+
+WARM_START_ID = "warm_start"
+"""The run id (and folder in the run's output folder) of a warm start."""
+START_TIMEOUT_S = 300.0
+"""How long the learner may take to print its ready line."""
+
+
+class WarmStartFailed(RuntimeError):
+    """The supervised run did not finish (its learner failed); the message names its log."""
+
+
+def warm_start_dir(spec: RunSpec) -> Path:
+    """Where the warm start of `spec` (named) writes: <output_dir>/<name>/warm_start."""
+    if spec.name is None:
+        raise ValueError("a warm start needs the run's name")
+    return Path(spec.output_dir) / spec.name / WARM_START_ID
+
+
+def warm_start_run(spec: RunSpec) -> RunSpec:
+    """Step 1: the warm start's SFT spec, writing under the run's output folder."""
+    sft = spec.warm_start_spec()
+    return sft.model_copy(update={"output_dir": str(warm_start_dir(spec).parent)})
+
+
+def started_from(spec: RunSpec, model: Path) -> RunSpec:
+    """Step 4: `spec` starting from `model`, without its warm start."""
+    start = spec.model.model_copy(update={"path": str(model)})
+    return spec.model_copy(update={"model": start, "warm_start": None})
+
+
+def warm_started(stack: Stack, args: argparse.Namespace, spec: RunSpec) -> Any:
+    """Steps 1-4: the `RunSpec` the online run runs (`spec` itself when it has no warm start); typed
+    as `up` holds its spec, whose name `up` has set."""
+    if spec.warm_start is None:
+        return spec
+    final = final_model_dir(warm_start_dir(spec))
+    if is_committed(final):
+        print(f"rlfabric up: warm start done before; the run starts from {final}", flush=True)
+    else:
+        print(f"rlfabric up: warm start (SFT) into {final.parent}", flush=True)
+        run_learner(stack, args, warm_start_run(spec), WARM_START_ID)
+    if not is_committed(final):
+        raise WarmStartFailed(f"the warm start ended without a final model in {final}")
+    return started_from(spec, final)
+
+
+def run_sft_file(stack: Stack, args: argparse.Namespace, spec: RunSpec) -> int:
+    """A `mode = "sft"` run file: its learner to the end; the exit code (0 once its model is written)."""
+    assert spec.name is not None  # `up` names every run
+    run_learner(stack, args, spec, spec.name)
+    final = final_model_dir(Path(spec.output_dir) / spec.name)
+    print(f"rlfabric up: run {spec.name} done; final model {final}", flush=True)
+    return 0 if is_committed(final) else 1
+
+
+def run_learner(stack: Stack, args: argparse.Namespace, spec: RunSpec, run_id: str) -> None:
+    """Step 3: the offline learner of `spec` as `run_id`, from start to exit; `WarmStartFailed` unless
+    it exits with 0."""
+    config = {"run_id": run_id, "log": {"format": "text"}, "run": json.loads(spec.model_dump_json())}
+    path = stack.run_dir / f"{run_id}.learner.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one torch thread unless the caller chooses
+    proc = stack.process(f"learner-{run_id}", learner_argv(path, args.learner_ranks), env)
+    stack.start(proc, OFFLINE_LEARNER_READY, timeout_s=START_TIMEOUT_S)
+    assert proc.proc is not None
+    code = proc.proc.wait()
+    if code != 0:
+        raise WarmStartFailed(f"the learner of {run_id} exited with code {code}; its log: {proc.log_path}")
+
+
+def learner_argv(config: Path, ranks: int) -> list[str]:
+    """`rlfabric serve learner --config CONFIG`, under torchrun for more than one rank."""
+    if ranks <= 1:
+        return cli("serve", "learner", "--config", str(config))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    return [*argv, "-m", "rlfabric.cli", "serve", "learner", "--config", str(config)]
