@@ -80,6 +80,10 @@ class TinyModelSpec:
     tokenizer: TokenizerKind = "char"
     """`char`: one token per character, ChatML template. `bpe`: the trained byte-level BPE of
     `bpe_tokenizer` (`BPE_VOCAB_SIZE` tokens, every byte covered) with a Qwen2.5-style tool template."""
+    turn_length: int | None = None
+    """Rig the random weights so the model ends its turn (`<|im_end|>`) after about this many tokens on
+    average, whatever the input (`end_turns_after`): multi-turn tests and benchmarks need turns that end.
+    None leaves the weights random (a turn then runs to max_tokens nearly always)."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.num_kv_heads:
@@ -221,7 +225,41 @@ def build_model(spec: TinyModelSpec) -> Qwen2ForCausalLM:
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(model_config(spec))
     model.generation_config = generation_config()
+    if spec.turn_length is not None:
+        end_turns_after(model, spec.turn_length, spec.vocab_size)
     return model.to(getattr(torch, spec.dtype)).eval()
+
+
+def end_turns_after(model: Qwen2ForCausalLM, mean_tokens: int, vocab_size: int) -> float:
+    """Rigs `model` (float32, tied embeddings) so that `<|im_end|>` has probability ~1/mean_tokens at
+    every step: the last layer's attention adds a constant to hidden dimension 0 (a value bias that its
+    output projection maps there alone), every token's embedding but `<|im_end|>`'s ignores dimension 0,
+    and `<|im_end|>`'s is `alpha` there, with `alpha` found by bisection on random inputs. The other
+    tokens keep their random logits. Returns the probability measured on those inputs."""
+    import torch
+
+    im_end = special_ids()[IM_END]
+    attention = model.model.layers[-1].self_attn
+    embedding = model.model.embed_tokens.weight
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randint(len(SPECIAL_TOKENS), vocab_size, (8, 48), generator=generator)
+    with torch.no_grad():
+        attention.v_proj.bias.zero_()
+        attention.v_proj.bias[0] = 8.0
+        attention.o_proj.weight[:, 0] = 0.0
+        attention.o_proj.weight[0, 0] = 1.0
+        embedding[:, 0] = 0.0
+        embedding[im_end] = 0.0
+        low, high, p = 0.0, 1.0, 0.0
+        for _ in range(30):
+            embedding[im_end, 0] = (low + high) / 2
+            p = float(model(probe).logits.softmax(-1)[..., im_end].mean())
+            low, high = (
+                (low, embedding[im_end, 0].item())
+                if p > 1 / mean_tokens
+                else (embedding[im_end, 0].item(), high)
+            )
+    return p
 
 
 def save_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
@@ -247,6 +285,7 @@ def make_tiny_model(
     seed: int = 0,
     dtype: Dtype = "float32",
     tokenizer: TokenizerKind = "char",
+    turn_length: int | None = None,
 ) -> Path:
     """Build a random Qwen2 model and its tokenizer (`char` or `bpe`) into `out_dir`; return its path."""
     spec = TinyModelSpec(
@@ -261,6 +300,7 @@ def make_tiny_model(
         seed=seed,
         dtype=dtype,
         tokenizer=tokenizer,
+        turn_length=turn_length,
     )
     return save_tiny_model(spec, out_dir)
 
@@ -286,6 +326,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["char", "bpe"],
         help="char (default): one token per character; bpe: a byte-level BPE trained locally, with a "
         "Qwen2.5-style tool chat template",
+    )
+    parser.add_argument(
+        "--turn-length",
+        type=int,
+        help="rig the random weights so the model ends its turn (<|im_end|>) after about this many tokens "
+        "on average (multi-turn tests and benchmarks)",
     )
 
 
