@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from rlfabric.environment.config import EnvironmentServiceConfig
 from rlfabric.environment.loading import InvalidEnvironment, environment_factory
+from rlfabric.environment.run_spec import RunEnvironmentSpec
 from rlfabric.environment.sessions import SessionLimits, SessionTable
 from rlfabric.environment.spec import TrlEnvironmentSpec
 from rlfabric.environment.trl_env import TrlEnvironment
@@ -229,10 +230,11 @@ def test_refs_outside_the_allow_list_or_that_trl_would_refuse(others: str) -> No
 def test_the_spec_and_the_documented_toml() -> None:
     doc = (ROOT / "docs" / "environment.md").read_text()
     section = doc[doc.index("## Environments written for TRL") :]
-    snippet = re.search(r"```toml\n(.*?)```", section, flags=re.DOTALL)
-    assert snippet is not None
-    config = EnvironmentServiceConfig.model_validate(tomllib.loads(snippet.group(1)))
+    service_toml, run_toml = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
+    config = EnvironmentServiceConfig.model_validate(tomllib.loads(service_toml))
     assert config.environment == spec("examples/trl_key_value_env.py:KeyValueEnv")
+    run = RunEnvironmentSpec.model_validate(tomllib.loads(run_toml)["environment"])
+    assert run.service == config.environment and run.max_turns == 6
     with pytest.raises(ValidationError, match="unknown tool parser"):
         spec("m:f", tool_parser="nope")
     with pytest.raises(ValidationError, match="ref"):
