@@ -138,9 +138,9 @@ class ToolCallingSpec(StrictModel):
     """How tool calls are read from the model's text: a registered parser ("hermes")."""
     prompt_field: str = "prompt"
     """The task column holding the prompt: text (one user message) or a list of chat messages."""
-    max_tool_calls: int = Field(default=8, ge=1)
+    max_tool_calls: int = Field(default=8, ge=1, le=1024)
     """Tool calls run per step; later ones are answered with an error message, not run."""
-    max_output_chars: int = Field(default=4000, ge=1)
+    max_output_chars: int = Field(default=4000, ge=1, le=1 << 20)
     """A tool's answer is cut to this many characters (the cut is marked) before the model sees it."""
 
 

@@ -24,6 +24,10 @@ class EngineConfig(StrictModel):
     """Longest prompt + completion in tokens."""
     kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
     """KV cache size (vLLM on CPU needs it explicitly)."""
+    block_size: int | None = Field(default=None, ge=16, le=1024)
+    """Tokens per KV-cache block; None keeps vLLM's (128 on CPU, 16 on GPU). The prefix cache reuses whole
+    blocks only, so multi-turn trajectories with short turns hit it more with smaller blocks (on CPU a
+    multiple of 32)."""
     enforce_eager: bool = False
     """Skip torch.compile / CUDA graphs: starts faster, generates slower."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)

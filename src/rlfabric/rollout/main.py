@@ -92,6 +92,7 @@ def build_engine(config: EngineConfig) -> Engine:
         dtype=dtype,  # type: ignore[arg-type]
         max_model_len=config.max_model_len,
         kv_cache_bytes=config.kv_cache_bytes,
+        block_size=config.block_size,
         enforce_eager=config.enforce_eager,
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
