@@ -1,0 +1,103 @@
+"""The SFT trainer in one process (a gloo world of one) on the tiny model: the loss is the mean negative
+log-prob over every assistant token of the step, computed here by hand with a plain transformers
+forward; its gradient is that loss's gradient whatever the micro-batch size; evaluation changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlfabric.learner.dist import World, init_distributed
+from rlfabric.learner.sft import SFTTrainer, examples_as_groups
+from rlfabric.learner.sft_data import SFTExample
+from rlfabric.runspec import RunSpec
+
+CPU = torch.device("cpu")
+EXAMPLES = [
+    SFTExample([4, 93, 6, 80, 81, 5, 6, 4, 73, 6, 90, 95, 5], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1], "a"),
+    SFTExample([4, 30, 31, 5, 6, 4, 73, 6, 40, 5], [0, 0, 0, 0, 0, 0, 0, 0, 1, 1], "b"),
+    SFTExample([9, 10, 11, 12, 13], [0, 1, 0, 1, 1], "c"),
+]
+"""Three sequences with 3, 2 and 3 trained tokens (the last with two assistant turns)."""
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield init_distributed(CPU)
+    torch.set_num_threads(threads)
+
+
+def make_trainer(model_dir: Path, world: World, micro_batch_size: int = 1, **optim: Any) -> SFTTrainer:
+    spec = RunSpec.model_validate(
+        {
+            "mode": "sft",
+            "model": {"path": str(model_dir)},
+            "dataset": {"path": "unused.jsonl"},
+            "optim": {"lr": 1e-2, "grad_clip": None, **optim},
+            "train": {"micro_batch_size": micro_batch_size},
+        }
+    )
+    return SFTTrainer(spec, model_dir, device=CPU, world=world, total_steps=10)
+
+
+def by_hand(model_dir: Path) -> tuple[float, float, float]:
+    """(loss, token accuracy, gradient norm) of the mean NLL over every trained token of EXAMPLES,
+    from a plain forward of each sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    nll, correct, tokens = torch.zeros(()), 0, 0
+    for example in EXAMPLES:
+        ids = torch.tensor([example.token_ids])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # (T, V)
+        for t in range(len(example.token_ids) - 1):
+            if example.loss_mask[t + 1]:
+                nll = nll - logp[t, example.token_ids[t + 1]]
+                correct += int(logp[t].argmax()) == example.token_ids[t + 1]
+                tokens += 1
+    loss = nll / tokens
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return float(loss.detach()), correct / tokens, float(norm)
+
+
+def test_examples_become_one_token_prompts_with_the_mask_on_the_completion() -> None:
+    group = examples_as_groups(EXAMPLES[2:])[0]
+    assert group.prompt_token_ids == [9] and group.group_id == "c"
+    assert group.rollouts[0].token_ids == [10, 11, 12, 13] and group.rollouts[0].loss_mask == [1, 0, 1, 1]
+
+
+def test_loss_and_gradient_are_the_token_mean_by_hand(tiny_model_dir: Path, world: World) -> None:
+    loss, accuracy, norm = by_hand(tiny_model_dir)
+    metrics = make_trainer(tiny_model_dir, world).train_step(EXAMPLES)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["token_accuracy"] == pytest.approx(accuracy)
+    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert metrics["tokens"] == 8 and metrics["sequences"] == 3 and metrics["lr"] == 1e-2
+
+
+def test_micro_batch_size_changes_nothing(tiny_model_dir: Path, world: World) -> None:
+    one, all_at_once = make_trainer(tiny_model_dir, world, 1), make_trainer(tiny_model_dir, world, 3)
+    for _ in range(2):
+        a, b = one.train_step(EXAMPLES), all_at_once.train_step(EXAMPLES)
+        for name in ("loss", "grad_norm", "token_accuracy"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4), name
+
+
+def test_evaluation_measures_without_training_and_training_lowers_the_loss(
+    tiny_model_dir: Path, world: World
+) -> None:
+    trainer = make_trainer(tiny_model_dir, world)
+    before = trainer.evaluate(EXAMPLES)
+    assert before["eval_loss"] == pytest.approx(by_hand(tiny_model_dir)[0], rel=1e-5)
+    assert trainer.evaluate(EXAMPLES) == before and (trainer.step, trainer.policy_version) == (0, 0)
+    losses = [trainer.train_step(EXAMPLES)["loss"] for _ in range(5)]
+    after = trainer.evaluate(EXAMPLES)
+    assert losses[-1] < losses[0] and after["eval_loss"] < before["eval_loss"]
+    assert (trainer.step, trainer.policy_version) == (5, 5)
