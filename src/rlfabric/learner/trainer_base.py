@@ -1,8 +1,9 @@
 """What every learner trainer is, whatever it trains on: the seam between the loops and the trainers.
 
-Two trainers share it: `trainer.Trainer` (online RL on scored groups) and `preference.PreferenceTrainer`
-(offline DPO/IPO on preference pairs). The loops (`loop.TrainingLoop`, `offline.OfflineRun`), the
-restart helpers and the leader are typed against `TrainerBase`, never against one trainer.
+Three trainers share it: `trainer.Trainer` (online RL on scored groups), `preference.PreferenceTrainer`
+(offline DPO/IPO on preference pairs) and `sft.SFTTrainer` (supervised fine-tuning). The loops
+(`loop.TrainingLoop`, `offline.OfflineRun`), the restart helpers and the leader are typed against
+`TrainerBase`, never against one trainer.
 
 Invariants:
 1. `step` counts the optimizer steps taken; `policy_version` is the version of the weights the trainer
