@@ -90,7 +90,7 @@ class RunManager:
     async def run_pipeline(self, record: RunRecord) -> RunState:
         """The online pipeline, or for an offline run the wait for its learner (nothing to dispatch)."""
         stop = lambda: self.store.stop_requested(record.run_id)  # noqa: E731
-        if record.spec.mode == "offline_preference":
+        if record.spec.mode != "online":
             return await watch_offline(self.redis, record.run_id, record.spec, stop)
         pipeline = RunPipeline(
             record.run_id,

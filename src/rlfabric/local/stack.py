@@ -153,7 +153,7 @@ def start_services(
 ) -> Services:
     """Starts reward, rollout, learner and coordinator, each on a port chosen here (an offline run needs
     only the learner and the coordinator)."""
-    if spec.mode == "offline_preference":
+    if spec.mode != "online":
         return start_offline_services(stack, args, spec, redis_url)
     reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
     environment = environment_process(stack, args, spec)
@@ -353,7 +353,7 @@ def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url
         "server": {"port": free_port()},
         "log": {"format": "text"},
         "run": json.loads(spec.model_dump_json()),
-        "report_to_redis": spec.mode == "offline_preference",
+        "report_to_redis": spec.mode != "online",
     }
     path = stack.run_dir / "learner.yaml"
     path.write_text(yaml.safe_dump(config))
