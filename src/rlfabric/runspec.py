@@ -53,6 +53,18 @@ class SpecModel(StrictModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+class TinyModelRecipe(SpecModel):
+    """A random tiny model `rlfabric up` builds at `model.path` when nothing is there yet
+    (`rlfabric make-tiny-model`'s options): examples and demos that must run without downloading."""
+
+    preset: Literal["tiny", "bench"] = "tiny"
+    """Shape: tiny (0.4 M parameters) or bench (24 M)."""
+    tokenizer: Literal["char", "bpe"] = "bpe"
+    """char: one token per character (ChatML); bpe: a byte-level BPE with a Qwen2.5-style tool template."""
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    """Seed of the random weights."""
+
+
 class ModelSpec(SpecModel):
     """The policy and its frozen reference."""
 
@@ -70,6 +82,9 @@ class ModelSpec(SpecModel):
     with AMX) and float32 elsewhere (`rlfabric.runtime.hardware`); bfloat16 on a CPU without AMX warns."""
     max_model_len: int = Field(default=2048, ge=16, le=MAX_TOKENS)
     """Longest prompt + completion in tokens."""
+    tiny: TinyModelRecipe | None = None
+    """Build a random tiny model at `path` when the folder does not exist yet (`rlfabric up` only; a run
+    submitted to the services needs the folder)."""
 
 
 class EvalSpec(SpecModel):

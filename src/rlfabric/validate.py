@@ -123,6 +123,8 @@ def check_paths(spec: RunSpec) -> CheckReport:
         local = Path(path)
         if local.exists() and not local.is_dir():
             report.issues.append(SpecIssue(name, f"{path!r} is a file, not a model folder", "not_a_folder"))
+        elif not local.exists() and name == "model.path" and spec.model.tiny is not None:
+            report.notes.append(f"{name} {path!r} does not exist yet: `rlfabric up` makes it (model.tiny)")
         elif not local.exists() and not is_hub_id(path):
             message = f"no folder {path!r}, and it is not a hub id (org/name)"
             report.issues.append(SpecIssue(name, message, "not_found"))
@@ -172,8 +174,9 @@ def check_models(spec: RunSpec) -> tuple[CheckReport, Any]:
         return report, None
     tokenizer = None
     for name, path in model_fields(spec).items():
-        if not Path(path).is_dir() and not is_hub_id(path):
-            continue  # check_paths reported it
+        to_make = name == "model.path" and spec.model.tiny is not None
+        if not Path(path).is_dir() and (to_make or not is_hub_id(path)):
+            continue  # check_paths reported it (or noted that `up` makes it)
         loaded = load_model_files(path, tokenizer=name == "model.path")
         if loaded.problem is not None:
             report.issues.append(SpecIssue(name, loaded.problem, "model_unloadable"))
@@ -390,4 +393,26 @@ def check_local(spec: RunSpec, run_file: str | None = None) -> CheckReport:
     """Every check in this process, the scorer built from the registry (`rlfabric config check`,
     `rlfabric up`): user functions from the run file's folder, as `rlfabric up` allows them."""
     problems = check_scorer_locally(spec.reward, run_file) if uses_reward(spec) else []
-    return check_spec(spec, problems)
+    report = check_spec(spec, problems)
+    report.extend(check_environment_locally(spec, run_file))
+    return report
+
+
+def check_environment_locally(spec: RunSpec, run_file: str | None) -> CheckReport:
+    """A multi-turn run's environment built as `rlfabric up` serves it (its code loaded under the same
+    allow-list); the problem names the field."""
+    report = CheckReport()
+    env = spec.environment
+    if env is None or env.address is not None:
+        return report
+    from rlfabric.environment.loading import InvalidEnvironment, environment_factory
+    from rlfabric.runtime.schema import SandboxConfig
+    from rlfabric.runtime.user_code import FunctionAllowlist
+
+    try:
+        environment_factory(
+            env.service, FunctionAllowlist.parse(env.allowed_functions(run_file)), SandboxConfig()
+        )
+    except InvalidEnvironment as exc:
+        report.issues.append(SpecIssue("environment.service", str(exc), "invalid_environment"))
+    return report

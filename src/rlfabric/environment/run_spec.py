@@ -15,6 +15,7 @@ importing any service.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Self
 
 from pydantic import Field, model_validator
@@ -43,6 +44,15 @@ class RunEnvironmentSpec(StrictModel):
     ends env_timeout and its group is dropped (counted), never scored as 0."""
     max_sessions: int = Field(default=1024, ge=1, le=1 << 20)
     """Sessions the served environment keeps open at once."""
+
+    def allowed_functions(self, run_file: str | None) -> list[str]:
+        """The served environment's `allowed_functions` under `rlfabric up`: the run file's folder and
+        every reference the environment names by module (its class or factory, its tools' functions)."""
+        folder = [str(Path(run_file).resolve().parent)] if run_file else []
+        service = self.service
+        refs = [(service.kind, getattr(service, "ref", None))]
+        refs += [(tool.kind, tool.ref) for tool in getattr(service, "tools", [])]
+        return folder + [ref for kind, ref in refs if ref and kind != "builtin" and ".py:" not in ref]
 
     @model_validator(mode="after")
     def _address_is_host_port(self) -> Self:

@@ -233,7 +233,7 @@ def environment_process(stack: Stack, args: argparse.Namespace, spec: Any) -> Se
     config = {
         "server": {"port": port},
         "environment": env.service.model_dump(mode="json"),
-        "allowed_functions": allowed_environment_functions(env.service, args.run_file),
+        "allowed_functions": env.allowed_functions(args.run_file),
         "step_timeout_s": env.step_timeout_s,
         "max_sessions": env.max_sessions,
         "max_steps": env.max_turns + 1,
@@ -259,16 +259,6 @@ def environment_address(stack: Stack, spec: Any) -> str | None:
     if env is None:
         return None
     return env.address or f"127.0.0.1:{environment_port(stack)}"
-
-
-def allowed_environment_functions(service: Any, run_file: str | None) -> list[str]:
-    """The environment service's `allowed_functions`: the run file's folder and every reference the
-    environment names by module (its class or factory, its tools' functions)."""
-    folder = [str(Path(run_file).resolve().parent)] if run_file else []
-    refs = [getattr(service, "ref", None), *(getattr(t, "ref", None) for t in getattr(service, "tools", []))]
-    kinds = [getattr(service, "kind", ""), *(getattr(t, "kind", "") for t in getattr(service, "tools", []))]
-    by_module = [r for r, k in zip(refs, kinds, strict=True) if r and k != "builtin" and ".py:" not in r]
-    return folder + by_module
 
 
 def coordinator_process(

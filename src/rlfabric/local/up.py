@@ -26,6 +26,7 @@ nothing `up` started outlives it, even when it is killed (the guards see to that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -190,9 +191,25 @@ def plan(args: argparse.Namespace) -> Plan:
     scale_policy(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = load_spec(args, run_dir)
+    make_tiny_model_if_missing(spec)
     check_run(spec, args.run_file)
     save_state(run_dir, args, spec)
     return Plan(run_dir, args, spec, resume=False)
+
+
+def make_tiny_model_if_missing(spec: Any) -> None:
+    """Builds the run's tiny model (`model.tiny`) at `model.path` unless a folder is there."""
+    recipe, path = spec.model.tiny, Path(spec.model.path)
+    if recipe is None or path.exists():
+        return
+    from rlfabric.tools.tiny_model import PRESETS, save_tiny_model
+
+    tiny = dataclasses.replace(PRESETS[recipe.preset], tokenizer=recipe.tokenizer, seed=recipe.seed)
+    save_tiny_model(tiny, path)
+    print(
+        f"rlfabric up: made a random {recipe.preset} model ({recipe.tokenizer} tokenizer) in {path}",
+        flush=True,
+    )
 
 
 def check_run(spec: Any, run_file: str | None) -> None:
