@@ -38,6 +38,15 @@ SHARD_BYTES = 5 << 30
 """Largest safetensors file of the final model (transformers' own default size)."""
 
 
+def drop_tied_head(config: object, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` as checkpoints name it: without `lm_head.weight` when the model ties it to the
+    embeddings (`save_pretrained` leaves it out, and a replica checks published names against the base
+    checkpoint's). Returns the same dict."""
+    if getattr(config, "tie_word_embeddings", False):
+        state_dict.pop("lm_head.weight", None)
+    return state_dict
+
+
 def final_model_dir(run_dir: str | Path) -> Path:
     """Where an offline run in `run_dir` leaves its final model."""
     return Path(run_dir) / MODEL_DIR

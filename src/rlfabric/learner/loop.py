@@ -36,6 +36,7 @@ from rlfabric.contracts import wire
 from rlfabric.learner.batch import GroupSamples
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, broadcast_flag, share_payloads
+from rlfabric.learner.export import drop_tied_head
 from rlfabric.learner.leader import Leader
 from rlfabric.learner.outputs import RunPaths
 from rlfabric.learner.queue import AppliedLedger, Delivery
@@ -163,9 +164,9 @@ class TrainingLoop:
 
     async def publish_weights(self, version: int, metadata: dict[str, Any] | None = None) -> float:
         """Collective: gathers the full weights; rank 0 publishes them as `version` (returns its seconds)."""
-        state_dict = await asyncio.to_thread(self.trainer.full_state_dict)
-        if getattr(self.trainer.model.config, "tie_word_embeddings", False):
-            state_dict.pop("lm_head.weight", None)  # tied to the embeddings: checkpoints leave it out
+        state_dict = drop_tied_head(
+            self.trainer.model.config, await asyncio.to_thread(self.trainer.full_state_dict)
+        )
         if self.leader is None:
             return 0.0
         return await self.leader.publisher.publish(version, state_dict, metadata)

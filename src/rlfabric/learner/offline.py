@@ -63,6 +63,7 @@ from rlfabric.learner.dist import (
     init_distributed,
     leave_together,
 )
+from rlfabric.learner.export import drop_tied_head
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
 from rlfabric.learner.trainer_base import ItemT, TrainerBase
@@ -292,7 +293,7 @@ class OfflineRun(Generic[ItemT]):
     def publish(self) -> float:
         """Gather the full weights (collective) and publish them as the trainer's version from rank 0."""
         start = time.perf_counter()
-        state_dict = self.trainer.full_state_dict()
+        state_dict = drop_tied_head(self.trainer.model.config, self.trainer.full_state_dict())
         if self.world.is_main:
             metadata = {"step": self.trainer.step, self.CONSUMED_KEY: self.state.cursor}
             version = self.trainer.policy_version

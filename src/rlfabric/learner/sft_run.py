@@ -29,7 +29,7 @@ import torch
 
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, init_distributed
-from rlfabric.learner.export import export_final_model, final_model_dir, is_committed
+from rlfabric.learner.export import drop_tied_head, export_final_model, final_model_dir, is_committed
 from rlfabric.learner.offline import OfflineRun, run_until_stopped, training_order
 from rlfabric.learner.sft import SFTTrainer
 from rlfabric.learner.sft_data import SFTData, SFTExample, load_sft_data
@@ -63,7 +63,7 @@ class SFTRun(OfflineRun[SFTExample]):
         final = final_model_dir(self.paths.run_dir)
         if self.trainer.step == 0 or is_committed(final):
             return
-        state_dict = self.trainer.full_state_dict()
+        state_dict = drop_tied_head(self.trainer.model.config, self.trainer.full_state_dict())
         if self.world.is_main:
             export_final_model(state_dict, self.spec.model.path, self.paths.run_dir)
             print(f"rlfabric offline learner final model in {final}", flush=True)

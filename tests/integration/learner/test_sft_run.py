@@ -22,6 +22,7 @@ import pytest
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.export import final_model_dir, is_committed
 from rlfabric.learner.sft_run import run_sft
+from rlfabric.rollout.engine import checkpoint_shapes
 from rlfabric.tools.tiny_model import make_tiny_model
 from rlfabric.weights import versions as store
 
@@ -175,6 +176,11 @@ def test_the_final_model_loads_and_holds_the_last_version(runs: dict[int, Path],
     assert not torch.equal(base["lm_head.weight"], loaded["lm_head.weight"])
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(bpe_model).chat_template
+    # named as the base checkpoint (no lm_head of tied embeddings), as published versions are: a replica
+    # serving the final model checks each published version's names against it
+    assert checkpoint_shapes(final) == checkpoint_shapes(bpe_model) and set(published) == set(
+        checkpoint_shapes(final)
+    )
 
 
 def test_a_finished_run_started_again_trains_nothing(
