@@ -23,8 +23,11 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokens / s", ("tokens_per_s",)),
     ("rollout utilisation", ("rollout_busy_fraction",)),
     ("staleness", ("staleness_mean",)),
+    ("turns per trajectory (multi-turn)", ("turns_mean",)),
+    ("tool calls (multi-turn)", ("tool_call_success_rate", "tool_calls_mean")),
 )
-"""(title, metrics-row keys) of each chart, in page order."""
+"""(title, metrics-row keys) of each chart, in page order. Environment failures of a multi-turn run are in
+the counters table (`environment_errors`, `dropped_environment_error`)."""
 
 
 @cache
