@@ -118,7 +118,7 @@ def test_trajectories_carry_exactly_the_sampled_tokens(replica: str, model_dir: 
         replica,
         [
             {
-                "prompt": "Say something, anything at all: a word, a sentence or a whole story about the sea.",
+                "prompt": "Say something, anything at all: a word, a sentence or a story about the sea.",
                 "turns": 3,
             },
             {"prompt": "Hello!", "turns": 3},
