@@ -229,7 +229,8 @@ def test_refs_outside_the_allow_list_or_that_trl_would_refuse(others: str) -> No
 
 def test_the_spec_and_the_documented_toml() -> None:
     doc = (ROOT / "docs" / "environment.md").read_text()
-    section = doc[doc.index("## Environments written for TRL") :]
+    start = doc.index("## Environments written for TRL")
+    section = doc[start : doc.find("\n## ", start + 1) % (len(doc) + 1)]
     service_toml, run_toml = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
     config = EnvironmentServiceConfig.model_validate(tomllib.loads(service_toml))
     assert config.environment == spec("examples/trl_key_value_env.py:KeyValueEnv")
