@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
-WORDS = ["red", "blue", "green", "black", "white", "gold", "pink", "gray",
-         "sun", "moon", "star", "rain", "snow", "wind", "fire", "sea"]  # fmt: skip
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi",
+         "ivan", "judy", "karl", "lena", "mike", "nina", "oscar", "paula"]  # fmt: skip
+WORDS = ["red", "blue", "green", "black", "white", "gold", "pink", "gray", "sun", "moon", "star", "rain",
+         "snow", "wind", "fire", "sea", "tree", "rock", "sand", "leaf", "bird", "fish", "wolf", "bear",
+         "lion", "frog", "milk", "bread", "salt", "rice", "corn", "plum", "door", "road", "ship", "boat",
+         "bell", "drum", "lamp", "coin", "king", "queen", "cat", "dog", "cow", "owl", "bee",
+         "ant"]  # fmt: skip
 
 
 class CodeBook:
@@ -36,7 +40,7 @@ class CodeBook:
         """
         self.calls += 1
         if name.strip().lower() != self.name:
-            return f"no entry for {name}"
+            raise KeyError(f"no entry for {name}")  # the model sees it as the tool's error; a failed call
         return self.word
 
 

@@ -1,6 +1,7 @@
 """Writes the agentic example's data (deterministic): train.jsonl and eval.jsonl (tasks: prompt, name,
-word; the held-out tasks' prompts use wordings never trained on) and sft.jsonl (demonstrations in TRL's
-conversational SFT format, for the warm start: call the tool, read the word, answer it).
+word; no (name, word) pair of a held-out task appears in training or in the demonstrations) and
+sft.jsonl (demonstrations in TRL's conversational SFT format, for the warm start: call the tool, read the
+word, answer it).
 
     python examples/agentic/make_data.py
 """
@@ -14,21 +15,22 @@ from pathlib import Path
 from codebook import NAMES, WORDS, CodeBook  # type: ignore[import-not-found]
 
 HERE = Path(__file__).resolve().parent
-TRAIN_WORDINGS = [
+WORDINGS = [
     "What is the secret word of {}?",
     "Tell me {}'s secret word.",
     "Find the secret word of {}.",
     "Which word is {}'s secret?",
     "Look up {} and give me the word.",
 ]
-EVAL_WORDINGS = ["I need the secret word of {}.", "What word does {} keep secret?"]
 
 
-def tasks(rng: random.Random, wordings: list[str], count: int) -> list[dict[str, str]]:
+def tasks(rng: random.Random, count: int, pairs: set[tuple[str, str]]) -> list[dict[str, str]]:
+    """`count` tasks whose (name, word) pairs are in `pairs`."""
+    chosen = sorted(pairs)
     rows = []
     for _ in range(count):
-        name, word = rng.choice(NAMES), rng.choice(WORDS)
-        rows.append({"prompt": rng.choice(wordings).format(name.capitalize()), "name": name, "word": word})
+        name, word = rng.choice(chosen)
+        rows.append({"prompt": rng.choice(WORDINGS).format(name.capitalize()), "name": name, "word": word})
     return rows
 
 
@@ -61,10 +63,13 @@ def write(name: str, rows: list[dict[str, object]]) -> None:
 
 def main() -> None:
     rng = random.Random(0)
-    write("train.jsonl", tasks(rng, TRAIN_WORDINGS, 512))
-    write("eval.jsonl", tasks(rng, EVAL_WORDINGS, 64))
+    pairs = [(name, word) for name in NAMES for word in WORDS]
+    rng.shuffle(pairs)
+    held_out, seen = set(pairs[:64]), set(pairs[64:])
+    write("train.jsonl", tasks(rng, 1024, seen))
+    write("eval.jsonl", tasks(rng, 64, held_out))
     tools = tools_json()
-    write("sft.jsonl", [demonstration(t, tools) for t in tasks(rng, TRAIN_WORDINGS, 256)])
+    write("sft.jsonl", [demonstration(t, tools) for t in tasks(rng, 1024, seen)])
 
 
 if __name__ == "__main__":
