@@ -402,11 +402,12 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "Why not more: on two CPU cores a decode step's time grows nearly in proportion to the batch "
         "(compute-bound; `rollout_scaling`: 605 tokens/s at 32 sequences, 789 at 64), so a batch draining to "
         "its turn's slowest trajectory wastes less than it would where a step costs about the same whatever "
-        "the batch (a GPU; not measured here). The gain splits about evenly: the prefix cache kept "
-        "(lockstep / naive) and no barrier per turn (rlfabric / lockstep)."
+        "the batch (a GPU; not measured here)."
     )
-    if payload.get("e2e_note"):
-        parts.append(payload["e2e_note"])
+    parts.append(
+        "The same kind of task end to end, GRPO with TRL's `GRPOTrainer(environment_factory=...)` against "
+        "`rlfabric up`, one environment class on both sides: `bench/multiturn_e2e.py` (`multiturn_e2e.md`)."
+    )
     return "\n\n".join(parts)
 
 
