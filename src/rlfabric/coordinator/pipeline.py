@@ -60,9 +60,6 @@ from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 
-MODEL_TURN = common_pb2.TURN_ROLE_MODEL
-FAILED = FAILED_STATUSES
-
 log = logging.getLogger(__name__)
 
 GENERATE_TIMEOUT_S = 600.0
@@ -124,9 +121,11 @@ def trajectory_counts(samples: list[rollout_pb2.GeneratedSample]) -> dict[Counte
     statuses = [wire.trajectory_status_from_proto(t.status) for t in trajectories]
     return {
         Counter.TRAJECTORIES: len(trajectories),
-        Counter.TRAJECTORY_TURNS: sum(sum(turn.role == MODEL_TURN for turn in t.turns) for t in trajectories),
+        Counter.TRAJECTORY_TURNS: sum(
+            sum(wire.turn_role_from_proto(turn.role) == "model" for turn in t.turns) for t in trajectories
+        ),
         Counter.TRAJECTORIES_TRUNCATED: statuses.count("truncated"),
-        Counter.ENVIRONMENT_ERRORS: sum(status in FAILED for status in statuses),
+        Counter.ENVIRONMENT_ERRORS: sum(status in FAILED_STATUSES for status in statuses),
         Counter.TOOL_CALLS: sum(t.tool_calls for t in trajectories),
         Counter.TOOL_ERRORS: sum(t.tool_errors for t in trajectories),
         Counter.PREFIX_PROMPT_TOKENS: sum(t.prompt_tokens for t in trajectories),
@@ -353,7 +352,9 @@ class RunPipeline:
         counts = trajectory_counts(samples)
         for counter, n in counts.items():
             await self.count(counter, n)
-        failed = [s for s in samples if wire.trajectory_status_from_proto(s.trajectory.status) in FAILED]
+        failed = [
+            s for s in samples if wire.trajectory_status_from_proto(s.trajectory.status) in FAILED_STATUSES
+        ]
         if failed:
             t = failed[0].trajectory
             status = wire.trajectory_status_from_proto(t.status)
@@ -421,9 +422,7 @@ class RunPipeline:
         )
         if self.spec.environment is not None:
             env = self.spec.environment
-            request.multi_turn.CopyFrom(
-                rollout_pb2.MultiTurn(max_turns=env.max_turns, max_total_tokens=env.max_total_tokens)
-            )
+            request.multi_turn.CopyFrom(wire.multi_turn_to_proto(env.max_turns, env.max_total_tokens))
         failed = True
         try:
             samples = [

@@ -116,6 +116,11 @@ TRAJECTORY_FINISH: dict[TrajectoryStatus, FinishReason] = {"truncated": "length"
 rest "stop"."""
 
 
+def multi_turn_to_proto(max_turns: int, max_total_tokens: int) -> rollout_pb2.MultiTurn:
+    """A run's `[environment]` limits as a Generate request's `multi_turn`."""
+    return rollout_pb2.MultiTurn(max_turns=max_turns, max_total_tokens=max_total_tokens)
+
+
 def trajectory_status_from_proto(value: rollout_pb2.TrajectoryStatus) -> TrajectoryStatus:
     """A received status; an unset one reads as "env_error" (nothing valid to train on)."""
     return TRAJECTORY_STATUS_NAMES.get(value, "env_error")
