@@ -109,6 +109,11 @@ class EvalSpec(SpecModel):
     """Samples per evaluated prompt; None: `rollout.sampling.n`."""
     temperature: float | None = Field(default=None, ge=0.0)
     """Sampling temperature of evaluation; None: `rollout.sampling.temperature`."""
+    reward: RewardSpec | None = None
+    """An evaluation-only "gold" reward (a `[reward]`-like section, scored by the same reward service):
+    each held-out evaluation then records the run's own (proxy) reward as `reward_mean` and this one as
+    `gold_reward_mean` (rows: `eval_reward_mean`, `eval_gold_reward_mean`); never trained on. The
+    `overoptimization` health check watches the gold reward. None: only the run's reward."""
 
     @property
     def separate(self) -> bool:
@@ -472,7 +477,12 @@ class WarmStartSpec(SpecModel):
 
 
 HealthCheck = Literal[
-    "reward_hacking", "overfitting", "entropy_collapse", "response_length", "rollout_mismatch"
+    "reward_hacking",
+    "overfitting",
+    "entropy_collapse",
+    "response_length",
+    "rollout_mismatch",
+    "overoptimization",
 ]
 """The run-health checks (see `rlfabric.coordinator.health`)."""
 
@@ -514,6 +524,14 @@ class HealthThresholds(SpecModel):
     """...or above this multiple of its first window's mean..."""
     mismatch_floor: float = Field(default=0.005, ge=0.0)
     """...once it is at least this large (a drift from ~0 must reach a real size)."""
+    gold_drop: float = Field(default=0.05, gt=0.0)
+    """Over-optimisation (needs `dataset.eval.reward`): the gold reward of each of the last `gold_patience`
+    evaluations is at least this much below its peak (in the gold reward's units)..."""
+    gold_patience: int = Field(default=2, ge=1, le=MAX_KEEP)
+    """...for this many evaluations in a row after the peak..."""
+    proxy_rise: float = Field(default=0.0, ge=0.0)
+    """...while the proxy (the run's own) reward of those evaluations rose, on average, by more than this
+    above its value at the gold peak."""
 
 
 class HealthSpec(HealthThresholds):

@@ -39,6 +39,8 @@ from rlfabric.runtime.paths import is_hub_id
 FIRST_ROWS = 16
 """Rows of the dataset whose columns and prompt lengths are checked."""
 _PART = re.compile(r"^params\.parts\[(\d+)\]\.(.+)$")
+GOLD_SECTION = "dataset.eval.reward"
+"""The run file's section of the evaluation's gold reward."""
 
 
 @dataclass(frozen=True)
@@ -87,18 +89,19 @@ class CheckReport:
 # -- scorer ---------------------------------------------------------------------------------------------
 
 
-def reward_field(problem_field: str) -> str:
-    """A scorer spec's field (`name`, `params.x`, `params.parts[1].params.x`) as the run file's field."""
+def reward_field(problem_field: str, section: str = "reward") -> str:
+    """A scorer spec's field (`name`, `params.x`, `params.parts[1].params.x`) as the run file's field in
+    `section` (`reward`, or the evaluation's gold reward `dataset.eval.reward`)."""
     match = _PART.match(problem_field)
     if match:
         rest = "scorer" if match[2] == "name" else match[2]
-        return f"reward.parts[{match[1]}].{rest}"
-    return "reward.scorer" if problem_field == "name" else f"reward.{problem_field}"
+        return f"{section}.parts[{match[1]}].{rest}"
+    return f"{section}.scorer" if problem_field == "name" else f"{section}.{problem_field}"
 
 
-def scorer_issues(problems: Iterable[ScorerProblem]) -> list[SpecIssue]:
-    """The scorer check's problems as issues of the run file's `reward` section."""
-    return [SpecIssue(reward_field(p.field), p.reason, "invalid_scorer") for p in problems]
+def scorer_issues(problems: Iterable[ScorerProblem], section: str = "reward") -> list[SpecIssue]:
+    """The scorer check's problems as issues of the run file's `section` (a reward section)."""
+    return [SpecIssue(reward_field(p.field, section), p.reason, "invalid_scorer") for p in problems]
 
 
 def uses_reward(spec: RunSpec) -> bool:
@@ -358,10 +361,16 @@ def warm_start_issue(issue: SpecIssue) -> SpecIssue:
 # -- all together ---------------------------------------------------------------------------------------
 
 
-def check_spec(spec: RunSpec, scorer_problems: Sequence[ScorerProblem] | None = None) -> CheckReport:
-    """Every check but the scorer's, whose problems the caller got (in-process or from the reward
-    service; None: not checked, the caller says why in `skipped`)."""
+def check_spec(
+    spec: RunSpec,
+    scorer_problems: Sequence[ScorerProblem] | None = None,
+    gold_problems: Sequence[ScorerProblem] = (),
+) -> CheckReport:
+    """Every check but the scorers', whose problems the caller got (in-process or from the reward
+    service; None: not checked, the caller says why in `skipped`): the run's reward's, and the
+    evaluation's gold reward's (`dataset.eval.reward`)."""
     report = CheckReport(issues=scorer_issues(scorer_problems or []))
+    report.issues += scorer_issues(gold_problems, GOLD_SECTION)
     report.extend(check_paths(spec))
     models, tokenizer = check_models(spec)
     report.extend(models)
@@ -393,7 +402,9 @@ def check_local(spec: RunSpec, run_file: str | None = None) -> CheckReport:
     """Every check in this process, the scorer built from the registry (`rlfabric config check`,
     `rlfabric up`): user functions from the run file's folder, as `rlfabric up` allows them."""
     problems = check_scorer_locally(spec.reward, run_file) if uses_reward(spec) else []
-    report = check_spec(spec, problems)
+    gold = spec.dataset.eval.reward
+    gold_problems = check_scorer_locally(gold, run_file) if gold is not None and uses_reward(spec) else []
+    report = check_spec(spec, problems, gold_problems)
     report.extend(check_environment_locally(spec, run_file))
     return report
 

@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfabric.coordinator.config import CoordinatorServiceConfig
-from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, run_health
+from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, run_health
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.page import render_run_page
 from rlfabric.coordinator.runs import (
@@ -76,15 +76,55 @@ class RunList(BaseModel):
     runs: list[RunSummary]
 
 
+class EvaluationSummary(BaseModel):
+    """The latest held-out evaluation of a run (from its metrics rows, `health.evaluations`)."""
+
+    step: int
+    """The learner step the evaluation ran at."""
+    policy_version: int
+    """The lowest policy version it sampled."""
+    reward: float | None
+    """The run's own (proxy) reward: `eval_reward_mean`."""
+    gold_reward: float | None
+    """The gold reward (`dataset.eval.reward`): `eval_gold_reward_mean`; None without one."""
+    kl: float | None
+    """The learner's mean KL to the reference at that step."""
+    gold_peak: float | None
+    """The highest gold reward of the recent evaluations (the last 500 metrics rows); None without one."""
+    gold_peak_step: int | None
+    """The policy version (= learner step) of that peak."""
+
+
 class RunStatus(RunRecord):
-    """Body of `GET /v1/runs/{id}`: the record, its counters, the latest metrics row and all warnings
-    (recorded ones, then health warnings computed from the metrics series)."""
+    """Body of `GET /v1/runs/{id}`: the record, its counters, the latest metrics row, the latest held-out
+    evaluation and all warnings (recorded ones, then health warnings computed from the metrics series)."""
 
     counters: dict[str, int]
     latest_metrics: dict[str, Any] | None
     scaling: dict[str, float] | None = None
     """The latest autoscaling signal: replicas, busy_fraction, run_busy_fraction, in_flight_groups,
     backlog_groups, desired_replicas, time (None before the pipeline exported one)."""
+    evaluation: EvaluationSummary | None = None
+    """The latest held-out evaluation (None before the first)."""
+
+
+def evaluation_summary(rows: list[dict[str, Any]]) -> EvaluationSummary | None:
+    """The latest evaluation in `rows`, with the gold reward's peak among them."""
+    found = evaluations(rows)
+    if not found:
+        return None
+    last = found[-1]
+    golds = [e for e in found if e.gold is not None]
+    peak = max(golds, key=lambda e: e.gold or 0.0) if golds else None
+    return EvaluationSummary(
+        step=last.step,
+        policy_version=last.policy_version,
+        reward=last.proxy,
+        gold_reward=last.gold,
+        kl=last.kl,
+        gold_peak=peak.gold if peak else None,
+        gold_peak_step=peak.policy_version if peak else None,
+    )
 
 
 class MetricsPage(BaseModel):
@@ -385,6 +425,7 @@ async def run_status(store: RunStore, run_id: str, learner_stall_s: float = LEAR
         counters=await store.counters(run_id),
         latest_metrics=rows[-1] if rows else None,
         scaling=await store.scaling(run_id),
+        evaluation=evaluation_summary(rows),
     )
 
 

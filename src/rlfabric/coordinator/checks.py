@@ -18,8 +18,16 @@ import grpc
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.reward.client import AsyncRewardClient
 from rlfabric.reward.spec import ScorerProblem, spec_from_reward_spec
-from rlfabric.runspec import RunSpec
-from rlfabric.validate import CheckReport, SpecIssue, check_models, check_paths, check_spec, uses_reward
+from rlfabric.runspec import RewardSpec, RunSpec
+from rlfabric.validate import (
+    GOLD_SECTION,
+    CheckReport,
+    SpecIssue,
+    check_models,
+    check_paths,
+    check_spec,
+    uses_reward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +41,14 @@ class RewardUnanswered(Exception):
     """The reward service did not answer a check; the message says where and how."""
 
 
-async def check_scorer(config: CoordinatorServiceConfig, spec: RunSpec) -> list[ScorerProblem]:
-    """The reward service's verdict on the run's scorer; RewardUnanswered when it gives none."""
+async def check_scorer(
+    config: CoordinatorServiceConfig, spec: RunSpec, reward: RewardSpec | None = None
+) -> list[ScorerProblem]:
+    """The reward service's verdict on the run's scorer (or on `reward`, e.g. the evaluation's gold
+    reward); RewardUnanswered when it gives none."""
     client = AsyncRewardClient(config.reward_address, token=config.reward_token)
     try:
-        scorer = spec_from_reward_spec(spec.reward)
+        scorer = spec_from_reward_spec(reward or spec.reward)
         return await client.check_scorer(scorer, timeout_s=config.checks.reward_timeout_s)
     except grpc.aio.AioRpcError as exc:
         raise RewardUnanswered(f"{config.reward_address} ({exc.code().name})") from exc
@@ -53,20 +64,26 @@ class SubmitCheck:
 
     async def __call__(self, spec: RunSpec) -> CheckReport:
         problems, skipped = await self.scorer(spec)
-        report = await asyncio.to_thread(check_spec, spec, problems)
-        report.skipped += skipped
+        gold = spec.dataset.eval.reward
+        gold_problems, gold_skipped = await self.scorer(spec, gold) if gold is not None else ([], [])
+        report = await asyncio.to_thread(check_spec, spec, problems, gold_problems)
+        report.skipped += skipped + gold_skipped
         for line in report.skipped:
             log.info("run check: not checked: %s", line)
         return report
 
-    async def scorer(self, spec: RunSpec) -> tuple[list[ScorerProblem], list[str]]:
-        """The scorer's problems, or none and why it was not checked."""
+    async def scorer(
+        self, spec: RunSpec, reward: RewardSpec | None = None
+    ) -> tuple[list[ScorerProblem], list[str]]:
+        """The problems of the run's scorer (or of `reward`: the gold one), or none and why it was not
+        checked."""
         if not uses_reward(spec):
             return [], []
         try:
-            return await check_scorer(self.config, spec), []
+            return await check_scorer(self.config, spec, reward), []
         except RewardUnanswered as exc:
-            return [], [f"reward.scorer: the reward service at {exc} did not answer"]
+            section = "reward" if reward is None else GOLD_SECTION
+            return [], [f"{section}.scorer: the reward service at {exc} did not answer"]
 
 
 async def reward_warning(config: CoordinatorServiceConfig, spec: RunSpec) -> str | None:
@@ -75,11 +92,16 @@ async def reward_warning(config: CoordinatorServiceConfig, spec: RunSpec) -> str
         return None
     try:
         problems = await check_scorer(config, spec)
+        gold = spec.dataset.eval.reward
+        gold_problems = await check_scorer(config, spec, gold) if gold is not None and not problems else []
     except RewardUnanswered as exc:
         return f"{REWARD_SILENT}: {exc}; nothing can be scored (is the reward service running?)"
     if problems:
         first = problems[0]
         return f"reward service refuses the run's scorer: {first.field}: {first.reason}"
+    if gold_problems:
+        first = gold_problems[0]
+        return f"reward service refuses the run's gold scorer ({GOLD_SECTION}): {first.field}: {first.reason}"
     return None
 
 

@@ -6,6 +6,10 @@ set (`dataset.held_out_fraction`); each evaluation generates with `dataset.eval`
 appends one result to `keys.eval_results` (mean reward, the lowest policy version sampled, the step, the
 source and how many prompts and samples it covers). A prompt a replica refuses as too long is counted
 once (`eval_prompts_too_long`) and skipped from then on.
+
+With a gold reward (`dataset.eval.reward`) the same samples are scored twice: `reward_mean` stays the
+run's own (proxy) reward, as always, and `gold_reward_mean` (with `gold_samples`, the samples it covers)
+is the gold one. A gold Score call that fails leaves that prompt out of the gold mean only.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlfabric.contracts import keys, wire
@@ -51,15 +56,16 @@ class Pipeline(Protocol):
     async def refused_as_too_long(self, row: PromptRow, reason: str) -> None: ...
 
 
-class Evaluator:
-    """Evaluates `rows` every `dataset.eval_every_steps` learner steps (`run`), or once (`evaluate`)."""
+Score = Callable[[PromptRow, list[rollout_pb2.GeneratedSample]], Awaitable[list[ItemResult]]]
+"""A Score call for one prompt's samples (`scoring.GroupScorer.score`)."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        score: Callable[[PromptRow, list[rollout_pb2.GeneratedSample]], Awaitable[list[ItemResult]]],
-    ) -> None:
-        self.pipeline, self.score = pipeline, score
+
+class Evaluator:
+    """Evaluates `rows` every `dataset.eval_every_steps` learner steps (`run`), or once (`evaluate`):
+    with the run's reward (`score`) and, when given, the gold reward (`gold`)."""
+
+    def __init__(self, pipeline: Pipeline, score: Score, gold: Score | None = None) -> None:
+        self.pipeline, self.score, self.gold = pipeline, score, gold
         self.sampling = eval_sampling(pipeline.spec)
         self.too_long: set[str] = set()
         """Evaluation prompt ids a replica refused as too long: never evaluated again."""
@@ -81,36 +87,61 @@ class Evaluator:
         """Scores the evaluation prompts all at once (so the result describes one version, not several)."""
         rows = [r for r in rows if r.prompt_id not in self.too_long]
         outcomes = await asyncio.gather(*(self.evaluate_one(row, step) for row in rows))
-        rewards = [r for rs, _ in outcomes for r in rs]
-        versions = [v for _, vs in outcomes for v in vs]
+        rewards = [r for o in outcomes for r in o.rewards]
+        versions = [v for o in outcomes for v in o.versions]
+        golds = [g for o in outcomes for g in o.gold]
         if rewards:
-            result = {
+            result: dict[str, Any] = {
                 "reward_mean": sum(rewards) / len(rewards),
                 "policy_version": min(versions),
                 "step": step,
                 "source": source,
-                "prompts": sum(1 for rs, _ in outcomes if rs),
+                "prompts": sum(1 for o in outcomes if o.rewards),
                 "samples": len(rewards),
             }
+            if golds:
+                result.update(gold_reward_mean=sum(golds) / len(golds), gold_samples=len(golds))
             await self.pipeline.redis.rpush(keys.eval_results(self.pipeline.run_id), json.dumps(result))
 
-    async def evaluate_one(self, row: PromptRow, step: int) -> tuple[list[float], list[int]]:
-        """One prompt's rewards (ok items only) and sampled versions; nothing when it cannot be evaluated."""
+    async def evaluate_one(self, row: PromptRow, step: int) -> Outcome:
+        """One prompt's rewards and gold rewards (ok items only) and sampled versions; nothing when it
+        cannot be evaluated."""
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
             samples = [s for s in await self.pipeline.generate(item, row, self.sampling) if evaluable(s)]
             if not samples:
-                return [], []
+                return Outcome()
             scores = await self.score(row, samples)
         except InvalidPrompt as exc:
             if exc.too_long:
                 self.too_long.add(row.prompt_id)
                 await self.pipeline.count(Counter.EVAL_PROMPTS_TOO_LONG)
                 await self.pipeline.refused_as_too_long(row, str(exc))
-            return [], []
+            return Outcome()
         except (ReplicaFailed, RewardServiceError):  # tolerated: an evaluation is skipped
-            return [], []
-        return [r.reward for r in scores if r.status == "ok"], [s.policy_version for s in samples]
+            return Outcome()
+        rewards = [r.reward for r in scores if r.status == "ok"]
+        return Outcome(rewards, [s.policy_version for s in samples], await self.gold_rewards(row, samples))
+
+    async def gold_rewards(self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample]) -> list[float]:
+        """The samples' gold rewards (ok items only); none without a gold reward or when its call fails."""
+        if self.gold is None:
+            return []
+        try:
+            scores = await self.gold(row, samples)
+        except RewardServiceError:  # tolerated: this prompt is left out of the gold mean
+            return []
+        return [r.reward for r in scores if r.status == "ok"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One prompt's evaluation: rewards of the ok items, the sampled versions, gold rewards of the ok
+    items."""
+
+    rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    gold: list[float] = field(default_factory=list)
 
 
 def evaluable(sample: rollout_pb2.GeneratedSample) -> bool:

@@ -6,6 +6,10 @@ string when the series shows a known failure pattern of RL post-training:
 
 - reward hacking: KL to the reference and the training reward jump together;
 - overfitting: the training reward rises while the held-out reward falls;
+- over-optimisation (runs with a gold reward, `dataset.eval.reward`): the held-out gold reward fell from
+  its peak while the proxy (the run's own reward) on the same evaluations kept rising; its warning's
+  `since_step` is the step after the peak's policy, so an automatic stop keeps the last checkpoint at or
+  before the gold peak;
 - entropy collapse: the policy became (nearly) deterministic;
 - response length runaway or collapse: completions grow towards the limit or shrink to nothing;
 - rollout mismatch: the engine's and the trainer's token distributions drift apart (`rollout_mismatch_kl`:
@@ -106,6 +110,70 @@ def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning
     return None
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation as the metrics rows carry it (`eval_*` keys of the row the learner wrote
+    after it): the evaluated `step` (`eval_step`, else the row's), its `policy_version` (the lowest sampled;
+    = the learner step that produced it), the `proxy` (the run's own reward, `eval_reward_mean`), the
+    `gold` reward (`eval_gold_reward_mean`; None without one) and `kl`, the learner's mean KL to the
+    reference in the row of the evaluated step (else in the row that carries the evaluation; None when
+    neither has one)."""
+
+    step: int
+    policy_version: int
+    proxy: float | None
+    gold: float | None
+    kl: float | None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def evaluations(rows: Sequence[Row]) -> list[Evaluation]:
+    """Every evaluation the rows carry (a row with `eval_reward_mean` or `eval_gold_reward_mean`), in row
+    order."""
+    kl_at = {int(row["step"]): _number(row.get("kl")) for row in rows if "step" in row}
+    found = []
+    for index, row in enumerate(rows):
+        proxy, gold = _number(row.get("eval_reward_mean")), _number(row.get("eval_gold_reward_mean"))
+        if proxy is None and gold is None:
+            continue
+        own = row.get("step", index)
+        step = int(row["eval_step"]) if _number(row.get("eval_step")) is not None else int(own)
+        version = _number(row.get("eval_policy_version"))
+        kl = kl_at.get(step)
+        kl = _number(row.get("kl")) if kl is None else kl
+        found.append(Evaluation(step, step if version is None else int(version), proxy, gold, kl))
+    return found
+
+
+def check_overoptimization(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """The gold reward at least `gold_drop` below its peak in each of the last `gold_patience` evaluations
+    while the proxy reward of those evaluations rose (on average, by more than `proxy_rise`) above its value
+    at the peak. `since_step` is one past the peak's policy version: checkpoints before it are at or before
+    the gold peak."""
+    evals = [(e, e.gold, e.proxy) for e in evaluations(rows) if e.gold is not None and e.proxy is not None]
+    if len(evals) <= t.gold_patience:
+        return None
+    peak_index = max(range(len(evals)), key=lambda i: (evals[i][1], -i))  # the first of equal peaks
+    if peak_index >= len(evals) - t.gold_patience:
+        return None  # the peak is among the recent evaluations
+    peak, peak_gold, peak_proxy = evals[peak_index]
+    recent = evals[-t.gold_patience :]
+    gold_now, proxy_now = [g for _, g, _ in recent], [p for _, _, p in recent]
+    if max(gold_now) > peak_gold - t.gold_drop or fmean(proxy_now) - peak_proxy <= t.proxy_rise:
+        return None
+    first, last = recent[0][0], recent[-1][0]
+    message = (
+        f"reward over-optimisation: the gold reward fell {peak_gold:.3g} -> {gold_now[-1]:.3g} from its peak "
+        f"at step {peak.policy_version} while the proxy reward rose {peak_proxy:.3g} -> {proxy_now[-1]:.3g} "
+        f"(last {t.gold_patience} evaluations, steps {first.step}-{last.step}); the policy at the gold peak "
+        "is the one to keep"
+    )
+    return HealthWarning("overoptimization", message, peak.policy_version + 1)
+
+
 def _train_reward_at(reward: Sequence[tuple[int, float]], step: int, window: int) -> float | None:
     """Mean training reward of the `window` points at or before `step`."""
     upto = [point for point in reward if point[0] <= step][-window:]
@@ -188,6 +256,7 @@ def health_warnings(
         check_entropy_collapse(rows, t),
         check_response_length(rows, t, max_tokens),
         check_rollout_mismatch(rows, t),
+        check_overoptimization(rows, t),
     ]
     return [warning for warning in found if warning]
 

@@ -15,7 +15,11 @@ from functools import cache
 from importlib.resources import files
 
 CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward_mean", "eval_reward_mean")),
+    ("reward", ("reward_mean", "eval_reward_mean", "eval_gold_reward_mean")),
+    (
+        "over-optimisation: held-out proxy and gold reward vs KL",
+        ("eval_reward_mean", "eval_gold_reward_mean"),
+    ),
     ("KL", ("kl",)),
     ("entropy", ("entropy",)),
     ("response length", ("response_length_mean",)),
@@ -27,7 +31,13 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tool calls (multi-turn)", ("tool_call_success_rate", "tool_calls_mean")),
 )
 """(title, metrics-row keys) of each chart, in page order. Environment failures of a multi-turn run are in
-the counters table (`environment_errors`, `dropped_environment_error`)."""
+the counters table (`environment_errors`, `dropped_environment_error`). Charts plot against the step, but
+those in `KL_CHARTS`."""
+KL_CHARTS = frozenset({CHARTS[1][0]})
+"""Charts of held-out evaluations against KL: each evaluation at the learner's mean KL to the reference at
+its step (`health.evaluations`: `kl` of the row of `eval_step`, else of the row carrying it); the classic
+over-optimisation curve (the proxy keeps rising while the gold reward peaks and falls). Without a measured
+KL (`algorithm.kl.coef = 0` loads no reference: KL reads 0) they plot against the step instead."""
 
 
 @cache
@@ -37,7 +47,9 @@ def _template() -> str:
 
 def render_run_page(run_id: str) -> str:
     """The page for `run_id` (escaped into an attribute; the script reads it from there)."""
-    charts = json.dumps([{"title": title, "keys": list(keys)} for title, keys in CHARTS])
+    charts = json.dumps(
+        [{"title": t, "keys": list(keys), "x": "kl" if t in KL_CHARTS else "step"} for t, keys in CHARTS]
+    )
     return (
         _template()
         .replace("__RUN_ID__", html.escape(run_id, quote=True))

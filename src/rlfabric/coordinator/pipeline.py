@@ -162,7 +162,15 @@ class RunPipeline:
         self.scorer = GroupScorer(
             run_id, spec, self.store, reward_address, self.count_score_retry, token=reward_token
         )
-        self.evaluator = Evaluator(self, self.scorer.score)
+        self.gold_scorer: GroupScorer | None = None
+        """The evaluation's gold reward (`dataset.eval.reward`), scored through the same service."""
+        if spec.dataset.eval.reward is not None:
+            self.gold_scorer = GroupScorer(
+                run_id, spec, self.store, reward_address, self.count_score_retry,
+                token=reward_token, reward=spec.dataset.eval.reward,
+            )  # fmt: skip
+        gold = self.gold_scorer.score if self.gold_scorer is not None else None
+        self.evaluator = Evaluator(self, self.scorer.score, gold)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -210,6 +218,8 @@ class RunPipeline:
                 task.cancel()
             await self.replicas.close()
             await self.scorer.close()
+            if self.gold_scorer is not None:
+                await self.gold_scorer.close()
 
     async def dispatch_loop(self, cursor: PromptCursor, stop: Callable[[], Awaitable[bool]]) -> RunState:
         pending = await self.leftovers()

@@ -124,6 +124,8 @@ def status(client: httpx.Client, args: argparse.Namespace) -> int:
     counters = ", ".join(f"{k}={v}" for k, v in body.get("counters", {}).items())
     print(f"counters: {counters}")
     print(scaling_text(body.get("scaling")))
+    if body.get("evaluation"):
+        print(evaluation_text(body["evaluation"]))
     latest = {k: v for k, v in (body.get("latest_metrics") or {}).items() if not k.startswith("_")}
     if latest:
         print("latest metrics: " + json.dumps(latest))
@@ -139,6 +141,20 @@ def scaling_text(scaling: dict[str, float] | None) -> str:
     parts = [f"{k}={int(scaling[k])}" for k in ints if k in scaling]
     parts += [f"{k}={scaling[k]:.2f}" for k in ("busy_fraction", "run_busy_fraction") if k in scaling]
     return "scaling: " + ", ".join(parts)
+
+
+def evaluation_text(evaluation: dict[str, Any]) -> str:
+    """The latest held-out evaluation: the run's (proxy) reward, and the gold reward with its peak when the
+    run has one (`dataset.eval.reward`)."""
+    parts = [f"step {evaluation['step']}"]
+    if evaluation.get("reward") is not None:
+        parts.append(f"reward {evaluation['reward']:.4g}")
+    if evaluation.get("gold_reward") is not None:
+        peak = f"peak {evaluation['gold_peak']:.4g} at step {evaluation['gold_peak_step']}"
+        parts.append(f"gold reward {evaluation['gold_reward']:.4g} ({peak})")
+    if evaluation.get("kl") is not None:
+        parts.append(f"kl {evaluation['kl']:.4g}")
+    return "evaluation: " + ", ".join(parts)
 
 
 def stop(client: httpx.Client, args: argparse.Namespace) -> int:

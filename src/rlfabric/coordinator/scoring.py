@@ -19,7 +19,7 @@ from rlfabric.coordinator.dataset import PromptRow
 from rlfabric.coordinator.runs import RunNotFound, RunStore
 from rlfabric.reward.client import ITEM_COLUMNS, AsyncRewardClient, RewardServiceError
 from rlfabric.reward.spec import ItemResult, spec_from_reward_spec
-from rlfabric.runspec import RunSpec
+from rlfabric.runspec import RewardSpec, RunSpec
 from rlfabric.runtime.aio import cancel_point
 from rlfabric.v1 import rollout_pb2
 
@@ -65,10 +65,13 @@ class GroupScorer:
         count_retry: Callable[[], Awaitable[None]],
         *,
         token: str | None = None,
+        reward: RewardSpec | None = None,
     ) -> None:
+        """`reward`: the reward to score with (None: the run's `reward`; the evaluation's gold reward)."""
         self.run_id, self.spec, self.store, self.count_retry = run_id, spec, store, count_retry
-        self.client = AsyncRewardClient(address, timeout_s=spec.reward.item_timeout_s * 4 + 30, token=token)
-        self.reward_spec = spec_from_reward_spec(spec.reward)
+        self.reward = reward or spec.reward
+        self.client = AsyncRewardClient(address, timeout_s=self.reward.item_timeout_s * 4 + 30, token=token)
+        self.reward_spec = spec_from_reward_spec(self.reward)
         self.warning: str | None = None
         self.warning_lock = asyncio.Lock()
 
@@ -95,9 +98,7 @@ class GroupScorer:
             }
             for s in samples
         ]
-        return await self.client.score(
-            items, self.reward_spec, item_timeout_s=self.spec.reward.item_timeout_s
-        )
+        return await self.client.score(items, self.reward_spec, item_timeout_s=self.reward.item_timeout_s)
 
     async def score_held(
         self, row: PromptRow, samples: list[rollout_pb2.GeneratedSample], epoch: int = 0

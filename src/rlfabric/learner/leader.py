@@ -312,7 +312,12 @@ class Leader:
         if not raw:
             return {}
         latest = json.loads(raw[-1])
-        return {"eval_reward_mean": latest["reward_mean"], "eval_policy_version": latest["policy_version"]}
+        row = {"eval_reward_mean": latest["reward_mean"], "eval_policy_version": latest["policy_version"]}
+        if "step" in latest:
+            row["eval_step"] = latest["step"]
+        if "gold_reward_mean" in latest:  # a run with a gold reward (`dataset.eval.reward`)
+            row["eval_gold_reward_mean"] = latest["gold_reward_mean"]
+        return row
 
     async def rollout_utilisation(self) -> dict[str, float]:
         """The coordinator's latest busy fractions of the run's replicas (its autoscaling signal): over

@@ -214,9 +214,9 @@ def compiled_twin(
 def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess:
     """The reward service: user functions only from the run file's folder and the functions the run
     spec names by module (the operator's own run file, or the demo)."""
-    from rlfabric.reward.check import allowed_functions
+    from rlfabric.reward.check import allowed_functions, run_rewards
 
-    allowed = allowed_functions(spec.reward, args.run_file)
+    allowed = allowed_functions(run_rewards(spec), args.run_file)
     argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")

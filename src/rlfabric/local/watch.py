@@ -157,7 +157,8 @@ def show_progress(bar: Any, status: dict[str, Any], *, progress: bool) -> None:
     """Advances the bar to the run's step; without a bar, prints one line per new step."""
     metrics = status.get("latest_metrics") or {}
     step = int(status.get("step") or 0)
-    fields = {k: metrics.get(k) for k in ("reward_mean", "eval_reward_mean", "kl", "tokens_per_s")}
+    keys = ("reward_mean", "eval_reward_mean", "eval_gold_reward_mean", "kl", "tokens_per_s")
+    fields = {k: metrics.get(k) for k in keys}
     shown = {k: f"{v:.3g}" for k, v in fields.items() if isinstance(v, int | float)}
     if step > bar.last_step:
         bar.last_step = step

@@ -9,11 +9,12 @@ scorer until a check runs, so `rlfabric up` can import it without loading them.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlfabric.reward.spec import ScorerProblem, spec_from_reward_spec
-from rlfabric.runspec import RewardSpec
+from rlfabric.runspec import RewardSpec, RunSpec
 
 FUNCTION_REF = re.compile(r"[\w.]+:[\w.]+")
 """A "package.module:attr" reference to a function in an importable module."""
@@ -27,11 +28,19 @@ def spec_functions(reward: RewardSpec) -> list[str]:
     return [n for n in named if FUNCTION_REF.fullmatch(n) and not n.split(":")[0].endswith(".py")]
 
 
-def allowed_functions(reward: RewardSpec, run_file: str | None) -> list[str]:
+def allowed_functions(reward: RewardSpec | Sequence[RewardSpec], run_file: str | None) -> list[str]:
     """The reward service's `allowed_functions` for a run: the run file's folder and the functions its
-    reward names by module."""
+    rewards (`run_rewards`: the run's, and an evaluation's gold reward) name by module."""
     folder = [str(Path(run_file).resolve().parent)] if run_file else []
-    return folder + spec_functions(reward)
+    rewards = [reward] if isinstance(reward, RewardSpec) else list(reward)
+    named = [name for r in rewards for name in spec_functions(r)]
+    return folder + list(dict.fromkeys(named))
+
+
+def run_rewards(spec: RunSpec) -> list[RewardSpec]:
+    """Every reward the run's Score calls use: its `reward`, and `dataset.eval.reward` when set."""
+    gold = spec.dataset.eval.reward
+    return [spec.reward] if gold is None else [spec.reward, gold]
 
 
 def check_scorer_locally(reward: RewardSpec, run_file: str | None) -> list[ScorerProblem]:

@@ -130,10 +130,12 @@ class ScorerPool:
         *,
         timeout_s: float,
         item_timeout_s: float | None,
+        whole: bool = False,
     ) -> list[ScoreResult]:
-        """Scores JSON-ready items with the scorer `spec` within `timeout_s`; one result per item."""
+        """Scores JSON-ready items with the scorer `spec` within `timeout_s`; one result per item. `whole`:
+        in one chunk on one worker (a scorer whose scores depend on the whole call, `Scorer.whole_batch`)."""
         deadline = time.monotonic() + timeout_s
-        chunks = split(list(items), self.size)
+        chunks = [list(items)] if whole else split(list(items), self.size)
         parts = await asyncio.gather(*(self._score_chunk(spec, c, deadline, item_timeout_s) for c in chunks))
         return [result for part in parts for result in part]
 

@@ -130,6 +130,7 @@ class RewardEngine:
                 payload,
                 timeout_s=timeout_s,
                 item_timeout_s=per_item,
+                whole=scorer.whole_batch,
             )
         latency = time.perf_counter() - start
         record(spec.name, results, latency)

@@ -58,7 +58,7 @@ def reference_logits(model_dir, texts):
 
 def test_scores_equal_the_model_logits_and_batching_does_not_matter(model_dir, item):
     scorer = build_scorer("reward_model", {"path": str(model_dir), "batch_size": 2})
-    assert scorer._model is None  # loaded lazily, on first use
+    assert scorer.members[0].model is None  # loaded lazily, on first use
     results = run_scorer(scorer, items(item))
     texts = ["what is two plus two ? the answer is four", "what is two plus two ? the answer is five"]
     texts.append("user: what is two plus two ? bad")

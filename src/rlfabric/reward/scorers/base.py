@@ -71,6 +71,12 @@ class Scorer:
         it (python_function, code_exec, composite's parts) override this to obey the policy."""
         return cls(params)
 
+    @property
+    def whole_batch(self) -> bool:
+        """True when an item's score depends on the other items of its call (a reward model normalised
+        over the batch): the service then scores a call in one piece, never split across workers."""
+        return False
+
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         """Score `items`; the result has the same length and order. Per-item failures are results."""
         return score_each(items, self._score_one)

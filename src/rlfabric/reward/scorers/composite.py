@@ -71,6 +71,10 @@ class Composite(Scorer):
         assert isinstance(params, CompositeParams)
         return cls(params, policy)
 
+    @property
+    def whole_batch(self) -> bool:
+        return any(part.whole_batch for part in self.parts)
+
     def score_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         per_part = [run_scorer(scorer, items) for scorer in self.parts]
         return [self._combine([results[i] for results in per_part]) for i in range(len(items))]
