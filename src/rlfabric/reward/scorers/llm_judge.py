@@ -10,6 +10,8 @@ Failure is never a low score: an unparseable judgement, a score outside the scal
 endpoint still failing after `max_retries` retries (transport errors, 429 and 5xx, with exponential
 backoff) make that item a `scorer_error`. Requests run concurrently (`concurrency`) on one event loop;
 `score_batch` runs that loop itself, so from async code call `ascore_batch` (or `arun_scorer`).
+Template filling and the request with its retries are `rlfabric.runtime.llm_api`'s, shared with the
+preference pipeline's LLM judges (`rlfabric.prefs`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rlfabric.reward.scorers.base import (
 )
 from rlfabric.reward.scorers.policy import ScorerPolicy
 from rlfabric.reward.scorers.registry import register
+from rlfabric.runtime.llm_api import ChatApiError, ChatEndpoint, choice_texts, fill_template
 
 DEFAULT_TEMPLATE = """You are grading an answer to a question.
 
@@ -49,7 +52,6 @@ Answer to grade:
 
 Judge correctness and helpfulness. Explain briefly, then end with a line of the form "Score: N/10",
 where N is an integer from 0 (worst) to 10 (best)."""
-_PLACEHOLDERS = re.compile(r"\{(prompt|completion|reference)\}")
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")
 _DOUBLE_BRACKET = re.compile(rf"\[\[\s*({_NUMBER})\s*\]\]")
@@ -138,7 +140,7 @@ def _bare_number(text: str) -> float | None:
 
 def render_template(template: str, item: ScoreInput) -> str:
     values = {"prompt": item.prompt_text, "completion": item.completion, "reference": item.reference}
-    return _PLACEHOLDERS.sub(lambda m: values[m.group(1)], template)
+    return fill_template(template, values)
 
 
 @register
@@ -151,15 +153,14 @@ class LlmJudge(Scorer):
 
     def __init__(self, params: LlmJudgeParams) -> None:
         super().__init__(params)
-        self._headers = {"Content-Type": "application/json"}
+        key = None
         if params.api_key_env is not None:
             key = os.environ.get(params.api_key_env)
             if not key:
                 raise InvalidScorerSpec(
                     "api_key_env", f"environment variable {params.api_key_env!r} is not set"
                 )
-            self._headers["Authorization"] = f"Bearer {key}"
-        self.url = params.base_url.rstrip("/") + "/chat/completions"
+        self.endpoint = ChatEndpoint(params.base_url, key, params.max_retries, params.backoff_s)
 
     @classmethod
     def create(cls, params: ScorerParams, policy: ScorerPolicy) -> Self:
@@ -174,7 +175,9 @@ class LlmJudge(Scorer):
 
     async def ascore_batch(self, items: Sequence[ScoreInput]) -> list[ScoreResult]:
         limit = asyncio.Semaphore(self.params.concurrency)
-        async with httpx.AsyncClient(timeout=self.params.timeout_s, headers=self._headers) as client:
+        async with httpx.AsyncClient(
+            timeout=self.params.timeout_s, headers=self.endpoint.headers()
+        ) as client:
             return list(await asyncio.gather(*(self._judge_safely(client, limit, item) for item in items)))
 
     async def _judge_safely(
@@ -209,34 +212,10 @@ class LlmJudge(Scorer):
             "temperature": self.params.temperature,
             "max_tokens": self.params.max_tokens,
         }
-        response = await self._post_with_retries(client, body)
         try:
-            return str(response.json()["choices"][0]["message"]["content"])
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ItemError(f"malformed chat completion response: {response.text[:300]!r}") from exc
-
-    async def _post_with_retries(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
-        attempts = self.params.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                return await self._post_once(client, body)
-            except _Retryable as exc:
-                last = exc
-            if attempt + 1 < attempts:
-                await asyncio.sleep(self.params.backoff_s * 2**attempt)
-        raise ItemError(f"judge request failed after {attempts} attempt(s): {last}")
-
-    async def _post_once(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
-        try:
-            response = await client.post(self.url, json=body)
-        except httpx.TransportError as exc:
-            raise _Retryable(describe_exception(exc)) from exc
-        if response.status_code == 429 or response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]!r}")
-        if response.status_code >= 400:
-            raise ItemError(f"judge answered HTTP {response.status_code}: {response.text[:200]!r}")
-        return response
-
-
-class _Retryable(Exception):
-    """A failed request worth retrying: a transport error, 429 or 5xx."""
+            texts = choice_texts(await self.endpoint.complete(client, body))
+        except ChatApiError as exc:
+            raise ItemError(f"judge request: {exc}") from exc
+        if not texts:
+            raise ItemError("judge request: the chat completion has no choices")
+        return texts[0]
