@@ -458,6 +458,31 @@ class SFTSpec(SpecModel):
     of every row without its own."""
 
 
+class RewardModelSpec(SpecModel):
+    """Reward-model training (`mode = "reward_model"`): Bradley-Terry on preference pairs, in the formats of
+    TRL's `RewardTrainer`. A row holds `chosen_field` and `rejected_field`, each a string or a list of
+    {role, content} messages; with an explicit prompt (`dataset.prompt_field`, a string or messages) they
+    are the completions, without one (the implicit-prompt form) each holds the whole text or
+    conversation. Each side is scored as the reward service's `reward_model` scorer scores it
+    (`rlfabric.learner.reward_model_data`), and the final model is a sequence-classification checkpoint
+    that scorer loads. A micro-batch holds `train.micro_batch_size // 2` pairs (at least one)."""
+
+    chosen_field: str = "chosen"
+    """Column with the preferred completion (or, without a prompt column, the whole preferred text)."""
+    rejected_field: str = "rejected"
+    """Column with the dispreferred completion (or the whole dispreferred text)."""
+    margin_field: str | None = None
+    """Column with each pair's margin m (a number): the loss is -log sigmoid(r_chosen - r_rejected - m),
+    as in Llama 2 and TRL; None: no margin."""
+    center_rewards_coef: float | None = Field(default=None, ge=0.0)
+    """TRL's `center_rewards_coefficient`: adds coef * mean((r_chosen + r_rejected)^2) to the loss,
+    keeping rewards centred on 0; None: not added."""
+    max_length: int | None = Field(default=None, ge=2, le=MAX_TOKENS)
+    """Longest scored sequence in tokens; pairs with a longer side are left out and counted
+    (`rm_dropped`), as TRL filters them. None: `model.max_model_len`. Serve with the scorer's
+    `max_length` at least this."""
+
+
 class WarmStartSpec(SpecModel):
     """A supervised warm start of an online run: `rlfabric up` first runs an SFT run (`mode = "sft"`)
     of the run's model with these sections, then starts the online run from its final model
@@ -565,14 +590,17 @@ class RunSpec(SpecModel):
     """Learner schedule."""
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     """Weight publishing."""
-    mode: Literal["online", "offline_preference", "sft"] = "online"
+    mode: Literal["online", "offline_preference", "sft", "reward_model"] = "online"
     """online: RL on scored groups from the rollout and reward services; offline_preference: DPO/IPO on a
     fixed dataset of (prompt, chosen, rejected) pairs; sft: supervised fine-tuning on conversations or
-    prompt-completion rows. The offline modes need no rollout or reward service."""
+    prompt-completion rows; reward_model: a Bradley-Terry reward model on preference pairs. The offline
+    modes need no rollout or reward service."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
     sft: SFTSpec = Field(default_factory=SFTSpec)
     """Supervised fine-tuning's dataset columns and tools (used when mode = "sft")."""
+    reward_model: RewardModelSpec = Field(default_factory=RewardModelSpec)
+    """Reward-model training's dataset columns and loss (used when mode = "reward_model")."""
     warm_start: WarmStartSpec | None = None
     """An SFT run `rlfabric up` runs before this online run, which then starts from its model."""
     health: HealthSpec = Field(default_factory=HealthSpec)

@@ -16,6 +16,10 @@ The schema (`RunSpec`) says whether a run file is well formed; this module says 
               first rows parse as conversations or prompt-completion rows and, with the tokenizer,
               render incrementally as the run renders them (`rlfabric.learner.sft_data`); rows longer
               than the context are a note (they are truncated)
+    reward    (`mode = "reward_model"`) the chosen and rejected columns (and `margin_field`) exist in the
+    model     first rows of the training and evaluation splits; with the tokenizer each row encodes as
+              the run encodes it (`rlfabric.learner.reward_model_data`: messages, margins, a chat
+              template where one is needed); pairs longer than the length limit are a note (left out)
 
 Every issue names the run-spec field it is about (`SpecIssue.field`, dotted, e.g. `reward.params.pattern`).
 Light by design: no torch, grpc or scorer import; transformers only inside `check_models`.
@@ -217,6 +221,15 @@ def column_fields(spec: RunSpec) -> dict[str, str]:
     data = spec.dataset
     if spec.mode == "sft":
         return {}  # a row holds messages, or a prompt and a completion: `check_sft_rows`
+    if spec.mode == "reward_model":  # the prompt column is optional (TRL's implicit-prompt form)
+        rm = spec.reward_model
+        columns = {
+            "reward_model.chosen_field": rm.chosen_field,
+            "reward_model.rejected_field": rm.rejected_field,
+        }
+        if rm.margin_field is not None:
+            columns["reward_model.margin_field"] = rm.margin_field
+        return columns
     columns = {"dataset.prompt_field": data.prompt_field}
     if spec.mode == "offline_preference":
         columns["preference.chosen_field"] = spec.preference.chosen_field
@@ -236,13 +249,16 @@ def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) 
     if records is None:
         return report
     report.issues += missing_columns(spec, records)
-    if spec.dataset.eval.separate and uses_reward(spec):
+    if spec.dataset.eval.separate and (uses_reward(spec) or spec.mode == "reward_model"):
         evaluated, eval_report = first_records(eval_source(spec.dataset), rows)
         report.extend(eval_report)
         if evaluated is not None:
             report.issues += missing_columns(spec, evaluated, within="the evaluation set")
     if spec.mode == "sft" and not report.issues:
         report.extend(check_sft_rows(spec, records, tokenizer))
+    elif spec.mode == "reward_model":
+        if tokenizer is not None and not report.issues:
+            report.extend(check_reward_rows(spec, records, tokenizer))
     elif tokenizer is not None and not report.issues:
         report.extend(check_prompt_lengths(spec, records, tokenizer))
     return report
@@ -335,6 +351,34 @@ def check_sft_rows(spec: RunSpec, records: Sequence[Any], tokenizer: Any) -> Che
         return CheckReport()
     summary = f"{len(long)} of the first {len(lengths)} rows exceed model.max_model_len (longest {max(long)})"
     return CheckReport(notes=[f"model.max_model_len: {summary}; they are truncated"])
+
+
+# -- reward model ---------------------------------------------------------------------------------------
+
+
+def check_reward_rows(spec: RunSpec, records: Sequence[Any], tokenizer: Any) -> CheckReport:
+    """The first rows as the reward-model run encodes them: the first row that does not is one issue
+    naming its field; pairs with a side longer than the length limit are a note (they are left out)."""
+    from rlfabric.learner.reward_model_data import PairEncoder
+    from rlfabric.learner.sft_data import SFTRowError
+
+    encoder = PairEncoder(tokenizer, spec)
+    too_long = 0
+    for index, record in enumerate(records):
+        try:
+            too_long += encoder.encode(record, str(index), index) is None
+        except SFTRowError as exc:
+            return CheckReport(issues=[SpecIssue(exc.field, exc.detail, "bad_row")])
+        except ValueError as exc:  # the template's refusal to render the messages
+            message = f"row {index + 1} does not render with the chat template: {_first_line(exc)}"
+            return CheckReport(issues=[SpecIssue("model.path", message, "chat_template_mismatch")])
+    if not too_long:
+        return CheckReport()
+    limit = "reward_model.max_length" if spec.reward_model.max_length else "model.max_model_len"
+    summary = f"{too_long} of the first {len(records)} pairs have a side longer than {limit}"
+    if too_long == len(records):
+        return CheckReport(issues=[SpecIssue(limit, f"{summary}: none fits", "too_long")])
+    return CheckReport(notes=[f"{limit}: {summary}; they are left out"])
 
 
 WARM_START_SECTIONS = ("dataset", "sft", "optim", "train")

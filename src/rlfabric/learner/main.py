@@ -1,8 +1,8 @@
 """`rlfabric serve learner`: one learner rank (run it under torchrun for several).
 
 The process entry: logging, credentials, tracing, the process group, then the service's training loop
-(`loop.TrainingLoop`, every rank; rank 0's I/O is `leader.Leader`). `run.mode = "offline_preference"`
-and `"sft"` run `offline.py` instead.
+(`loop.TrainingLoop`, every rank; rank 0's I/O is `leader.Leader`). `run.mode = "offline_preference"`,
+`"sft"` and `"reward_model"` run `offline.py` instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def serve(config: LearnerServiceConfig) -> int:
     """Run this rank of the learner to the end of the run; returns the exit code."""
-    if config.run.mode in ("offline_preference", "sft"):
+    if config.run.mode in ("offline_preference", "sft", "reward_model"):
         from rlfabric.learner.offline import serve_offline
 
         return serve_offline(config)

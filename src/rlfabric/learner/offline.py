@@ -345,9 +345,9 @@ def run_until_stopped(offline: OfflineRun[ItemT], order: Sequence[ItemT]) -> int
 
 
 def serve_offline(config: LearnerServiceConfig) -> int:
-    """`rlfabric serve learner` when `run.mode` is "offline_preference" or "sft" (`sft_run.run_sft`):
-    returns the exit code. Prints `READY_LINE` first (`rlfabric up` waits for it: this learner serves
-    no status API)."""
+    """`rlfabric serve learner` when `run.mode` is "offline_preference", "sft" (`sft_run.run_sft`) or
+    "reward_model" (`reward_model_run.run_reward_model`): returns the exit code. Prints `READY_LINE`
+    first (`rlfabric up` waits for it: this learner serves no status API)."""
     setup_logging("learner", config.log.level, config.log.format)
     print(f"{READY_LINE} for run {config.run_id}", flush=True)
     try:
@@ -355,6 +355,10 @@ def serve_offline(config: LearnerServiceConfig) -> int:
             from rlfabric.learner.sft_run import run_sft
 
             run_sft(config)
+        elif config.run.mode == "reward_model":
+            from rlfabric.learner.reward_model_run import run_reward_model
+
+            run_reward_model(config)
         else:
             run_offline(config)
         leave_together()

@@ -38,16 +38,20 @@ def load_model(
     trainable: bool,
     checkpointing: bool,
     compile_blocks: bool = False,
+    reward_head: bool = False,
 ) -> nn.Module:
     """A causal LM from `path` with float32 master weights on `device`, sharded with FSDP2; with
-    `compile_blocks` its element-wise blocks compiled (`compile_elementwise_blocks`)."""
-    from transformers import AutoModelForCausalLM
+    `compile_blocks` its element-wise blocks compiled (`compile_elementwise_blocks`). With `reward_head`
+    the model is loaded as a sequence classifier with one label instead (the LM head dropped, a scalar
+    `score` head newly initialised from the torch RNG: seed it alike on every rank)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    attention = {}
+    options: dict[str, Any] = {"num_labels": 1} if reward_head else {}
     if device.type == "cpu" and dtype != torch.float32:
         register_float32_attention()
-        attention["attn_implementation"] = FLOAT32_ATTENTION
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **attention)
+        options["attn_implementation"] = FLOAT32_ATTENTION
+    auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=torch.float32, **options)
     model.config.use_cache = False
     if checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -8,9 +8,9 @@
                  rollout replicas and the learner at once (a compiling vLLM replica takes longest), the
                  coordinator once the reward service listens (an offline preference run starts only the
                  learner and the coordinator; a `[warm_start]` runs its SFT learner to the end first, and
-                 an SFT run file only its learner: `local.warm_start`); the run waits for every ready
-                 line. Each process runs under `rlfabric.runtime.guard` on a port chosen here, so a
-                 restart reuses it
+                 an SFT or reward-model run file only its learner: `local.warm_start`); the run waits for
+                 every ready line. Each process runs under `rlfabric.runtime.guard` on a port chosen here,
+                 so a restart reuses it
     3. submit    the run to the coordinator's REST API, with the run's API token
     4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
                  service that dies is restarted with backoff (`supervisor`), a coordinator that does not
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     """Steps 2-5 of the module docstring; the exit code."""
     from rlfabric.coordinator.runs import RunState
-    from rlfabric.local.warm_start import run_sft_file, warm_started
+    from rlfabric.local.warm_start import run_reward_model_file, run_sft_file, warm_started
     from rlfabric.local.watch import Api, prepare_resume, summarize, watch
 
     options, spec = chosen.args, chosen.spec
@@ -248,6 +248,8 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     try:
         if spec.mode == "sft":  # the learner alone (`local.warm_start`)
             return run_sft_file(stack, options, spec)
+        if spec.mode == "reward_model":
+            return run_reward_model_file(stack, options, spec)
         redis_url = start_redis(stack, options)
         action = prepare_resume(redis_url, spec.name) if chosen.resume else "submit"
         if action == "done":

@@ -16,7 +16,9 @@ A warm start, before the online run's services start:
                 reference and the critic follow unless `model.reference_path` or `model.critic_path` is
                 set; the `warm_start` section is dropped (the services never see it)
 
-An SFT run file runs steps 2-3 of itself: its run id is its name, its output the run directory.
+An SFT run file runs steps 2-3 of itself: its run id is its name, its output the run directory. A
+reward-model run file (`mode = "reward_model"`, `rlfabric.learner.reward_model_run`) runs the same way;
+its final model is what the reward service's `reward_model` scorer serves (`path` = that folder).
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ def run_sft_file(stack: Stack, args: argparse.Namespace, spec: RunSpec) -> int:
     final = final_model_dir(Path(spec.output_dir) / spec.name)
     print(f"rlfabric up: run {spec.name} done; final model {final}", flush=True)
     return 0 if is_committed(final) else 1
+
+
+def run_reward_model_file(stack: Stack, args: argparse.Namespace, spec: RunSpec) -> int:
+    """A `mode = "reward_model"` run file: its learner to the end; the exit code (0 once its model is
+    written). Prints where the model is and the `[reward]` section that serves it."""
+    assert spec.name is not None  # `up` names every run
+    run_learner(stack, args, spec, spec.name)
+    final = final_model_dir(Path(spec.output_dir) / spec.name)
+    print(f"rlfabric up: run {spec.name} done; reward model {final}", flush=True)
+    if not is_committed(final):
+        return 1
+    print(f'serve it with: [reward] scorer = "reward_model", params = {{path = "{final}"}}', flush=True)
+    return 0
 
 
 def run_learner(stack: Stack, args: argparse.Namespace, spec: RunSpec, run_id: str) -> None:
