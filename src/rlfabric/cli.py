@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     from rlfabric.reward import cli as reward_cli
 
     reward_cli.add_arguments(reward)
+    prefs = sub.add_parser(
+        "prefs", help="build and inspect versioned preference datasets (AI feedback, hygiene)"
+    )
+    from rlfabric.prefs import cli as prefs_cli
+
+    prefs_cli.add_arguments(prefs)
     return parser
 
 
@@ -298,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             from rlfabric.reward import cli as reward_cli
 
             return reward_cli.run(args)
+        if args.command == "prefs":
+            from rlfabric.prefs import cli as prefs_cli
+
+            return prefs_cli.run(args)
         from rlfabric.tools import tiny_model
 
         return tiny_model.run(args)

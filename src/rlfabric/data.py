@@ -5,7 +5,9 @@ Every source is read with Hugging Face `datasets` (`load_dataset`, or `load_from
 written by `save_to_disk`): a JSONL, JSON, Parquet or CSV file, a folder of such files, a saved Dataset
 or DatasetDict, or a hub id (`org/name`, with `name` and `revision`). `split` selects the rows ("train",
 "test", "train[:90%]"). A local file is read into memory with a throw-away cache, so runs leave nothing
-behind in the `datasets` cache. Light by design: no torch, grpc or coordinator import; `datasets` is
+behind in the `datasets` cache. A preference dataset version (a folder `rlfabric prefs build` wrote) is
+verified against its manifest before its data shards are read, and refused (`DatasetVersionError`, naming
+the spec field) when it does not verify. Light by design: no torch, grpc or coordinator import; `datasets` is
 imported when a source is read.
 """
 
@@ -33,6 +35,10 @@ class DatasetError(ValueError):
     """The dataset cannot be used. The message names the spec field, the file and the problem, never
     the file's data (not even its column names): a spec's author may point it at any file the
     coordinator can read."""
+
+
+class DatasetVersionError(DatasetError):
+    """A preference dataset version (`rlfabric prefs build`) whose files do not match its manifest."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,10 @@ def _read_file(source: Source, path: Path) -> list[dict[str, Any]]:
 
 
 def _read_folder(source: Source, path: Path) -> list[dict[str, Any]]:
+    from rlfabric.prefs import store
+
+    if store.is_version(path):
+        return _read_version(source, path)
     if any((path / marker).exists() for marker in SAVED_MARKERS):
         return _read_saved(source, path)
     try:
@@ -115,7 +125,39 @@ def _read_folder(source: Source, path: Path) -> list[dict[str, Any]]:
         ) from None
 
 
-def _load_local(source: Source, *args: str, **kwargs: str) -> list[dict[str, Any]]:
+def _read_version(source: Source, path: Path) -> list[dict[str, Any]]:
+    """A preference dataset version: verified against its manifest first (`DatasetVersionError`
+    otherwise), then its data shards alone (never the manifest, report or drop records)."""
+    from rlfabric.prefs import store
+
+    checked = store.verify(path)
+    if not checked.ok:
+        more = f" (and {len(checked.problems) - 1} more)" if len(checked.problems) > 1 else ""
+        raise DatasetVersionError(
+            f"{source.field}.path {path}: the preference dataset version does not verify against its "
+            f"manifest, refusing it: {checked.problems[0]}{more}"
+        )
+    if not store.read_manifest(path)["rows"]:
+        return []
+    shards = [str(p) for p in store.shard_paths(path)]
+    try:
+        return _load_local(source, "json", data_files=shards)
+    except Exception as exc:  # any failure of the reader: explained without the version's data
+        raise DatasetError(
+            f"{source.field}.path {path}: the version's shards could not be read with split "
+            f"{source.split!r} ({type(exc).__name__})"
+        ) from None
+
+
+def dataset_version(path: str) -> str | None:
+    """The id of the preference dataset version at `path` (as its manifest declares it; reading the
+    rows verifies it), None when `path` is not a version folder."""
+    from rlfabric.prefs import store
+
+    return store.version_of(path)
+
+
+def _load_local(source: Source, *args: str, **kwargs: Any) -> list[dict[str, Any]]:
     """`datasets.load_dataset` of local data, held in memory; its cache is deleted once read."""
     datasets = _quiet_datasets()
     with tempfile.TemporaryDirectory(prefix="rlfabric-dataset-") as cache:

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfabric.data import DatasetError, Source, eval_source, read_records, training_source
+from rlfabric.data import (
+    DatasetError,
+    DatasetVersionError,
+    Source,
+    eval_source,
+    read_records,
+    training_source,
+)
 from rlfabric.reward.check import check_scorer_locally
 from rlfabric.reward.spec import ScorerProblem
 from rlfabric.runspec import RunSpec
@@ -266,13 +273,15 @@ def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) 
 
 def first_records(source: Source, rows: int) -> tuple[list[Any] | None, CheckReport]:
     """The first `rows` rows of a local source's split, or None with the issue that keeps them from being
-    read (no issue for a source that is not local)."""
+    read (no issue for a source that is not local). A preference dataset version that does not verify
+    against its manifest is an issue of kind "unverified"."""
     if not Path(source.path).exists():
         return None, CheckReport()
     try:
         records = read_records(source)[:rows]
     except DatasetError as exc:
-        return None, CheckReport(issues=[SpecIssue(f"{source.field}.path", str(exc), "unreadable")])
+        kind = "unverified" if isinstance(exc, DatasetVersionError) else "unreadable"
+        return None, CheckReport(issues=[SpecIssue(f"{source.field}.path", str(exc), kind)])
     if not records:
         message = f"{source.path}: the split {source.split!r} is empty"
         return None, CheckReport(issues=[SpecIssue(f"{source.field}.path", message, "empty")])

@@ -53,7 +53,7 @@ import torch
 
 from rlfabric.contracts import keys
 from rlfabric.contracts.metrics import append_row
-from rlfabric.data import DatasetError, read_records, training_source
+from rlfabric.data import DatasetError, dataset_version, read_records, training_source
 from rlfabric.learner.checkpoint import latest_complete, prune
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import (
@@ -77,6 +77,9 @@ CURSOR_KEY = "cursor"
 """Checkpoint `extra` key: pairs of the training order consumed so far (a decimal string)."""
 CONSUMED_KEY = "consumed"
 """Checkpoint `extra` key: JSON list of the consumed pair ids, in order (for audits)."""
+DATASET_VERSION_KEY = "dataset_version"
+"""Checkpoint `extra` and metrics-row key: the id of the preference dataset version `dataset.path` names
+(`rlfabric prefs build`); absent for other datasets."""
 KEEP_CHECKPOINTS = 2
 READY_LINE = "rlfabric offline learner started"
 """Printed when `serve_offline` starts (the offline learner's ready line)."""
@@ -216,6 +219,9 @@ class OfflineRun(Generic[ItemT]):
         self.stopping = False
         self.checkpoint_step = -1
         self.reports = RedisReports(config) if config.report_to_redis and world.is_main else None
+        self.dataset_version = dataset_version(self.spec.dataset.path)
+        """The dataset version trained on (verified when the rows were read), recorded in every metrics
+        row and checkpoint; None when `dataset.path` is not a preference dataset version."""
 
     def run(self, order: Sequence[ItemT]) -> int:
         """Train until the step budget or the data runs out (or SIGTERM); returns the final step."""
@@ -242,13 +248,25 @@ class OfflineRun(Generic[ItemT]):
         holds the current weights under the version below it, and each step advances it by one."""
         latest = latest_complete(self.paths.checkpoints)
         if latest is not None:
-            self.state = OfflineState.from_extra(self.trainer.load_checkpoint(latest))
+            extra = self.trainer.load_checkpoint(latest)
+            self.state = OfflineState.from_extra(extra)
+            self.check_dataset_version(latest, extra.get(DATASET_VERSION_KEY))
             self.checkpoint_step = self.trainer.step
             if [self.item_id(p) for p in order[: self.state.cursor]] != self.state.consumed:
                 raise ValueError(f"{latest} consumed other rows: the dataset or its order changed")
             log.info("resumed", extra={"checkpoint": str(latest), "step": self.trainer.step})
         published = (store.latest_committed(self.paths.weights_root) or 0) if self.world.is_main else 0
         self.trainer.renumber(all_reduce_max(max(self.trainer.policy_version, published), self.world))
+
+    def check_dataset_version(self, checkpoint: Any, trained: bytes | str | None) -> None:
+        """A resumed run continues on the dataset version it started on (when either is a version)."""
+        if isinstance(trained, bytes):
+            trained = trained.decode()
+        if trained != self.dataset_version:
+            raise DatasetError(
+                f"dataset.path {self.spec.dataset.path}: is dataset version {self.dataset_version}, but "
+                f"{checkpoint} was trained on version {trained}; resume on the same version"
+            )
 
     def stop_requested(self) -> bool:
         """Whether any rank was asked to stop, by SIGTERM or (rank 0) by the coordinator (collective:
@@ -284,7 +302,10 @@ class OfflineRun(Generic[ItemT]):
     def persist(self) -> float:
         """Checkpoint the model with the data cursor (collective); returns the seconds it took."""
         start = time.perf_counter()
-        self.trainer.save_checkpoint(self.paths.checkpoints, extra=self.state.to_extra())
+        extra = self.state.to_extra()
+        if self.dataset_version is not None:
+            extra[DATASET_VERSION_KEY] = self.dataset_version
+        self.trainer.save_checkpoint(self.paths.checkpoints, extra=extra)
         if self.world.is_main:
             prune(self.paths.checkpoints, keep=KEEP_CHECKPOINTS)
         self.checkpoint_step = self.trainer.step
@@ -312,6 +333,8 @@ class OfflineRun(Generic[ItemT]):
         }
         row.update(metrics)
         row.update({self.CONSUMED_KEY: self.state.cursor, self.IDS_KEY: [self.item_id(p) for p in pairs]})
+        if self.dataset_version is not None:
+            row[DATASET_VERSION_KEY] = self.dataset_version
         write_metrics(self.paths.metrics, row)
         if self.reports is not None:
             self.reports.step(row)
