@@ -387,7 +387,7 @@ def make_judges(spec: PipelineSpec, pipeline_file: str | None = None) -> dict[st
         else:
             from rlfabric.prefs.llm_judge import LlmPairwiseJudge
 
-            judges[name] = LlmPairwiseJudge(entry.spec)
+            judges[name] = LlmPairwiseJudge(entry.spec.model_copy(update={"name": name}))
     return judges
 
 

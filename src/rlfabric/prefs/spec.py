@@ -23,8 +23,8 @@ hygiene removes, and where the version is stored. TOML, YAML or JSON; unknown ke
 
 Paths are read relative to the working directory, as a run file's are. The model-backed parts
 (`generator` of a sampling source and of `[cai]`, an `llm` judge) are checked by their own models
-(`prefs.generation.GeneratorSpec`, `prefs.llm_judge.LlmJudgeSpec`), imported when such a part is named:
-a pipeline of files and scorers loads no model code. Light by design: pydantic only.
+(`prefs.generator_specs.GeneratorSpec`; `prefs.llm_judge.LlmJudgeSpec`, imported when an llm judge is
+named: a pipeline of files and scorers loads no grpc or model code). Light by design: pydantic only.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pydantic import (
     model_validator,
 )
 
+from rlfabric.prefs.generator_specs import GeneratorSpec
 from rlfabric.prefs.store import DEFAULT_STORE
 from rlfabric.runspec import MAX_BATCH, MAX_KEEP, MAX_SEED, MAX_TOKENS, RewardSpec
 from rlfabric.runtime.config import StrictModel, read_file, validate
@@ -53,14 +54,9 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 def generator_spec(value: Any) -> Any:
-    """A `generator` table validated as `prefs.generation.GeneratorSpec` (imported here: a pipeline that
-    names no generator never imports it)."""
+    """A `generator` table validated as `prefs.generator_specs.GeneratorSpec`."""
     if value is None:
         return None
-    try:
-        from rlfabric.prefs.generation import GeneratorSpec
-    except ImportError as exc:  # the model-backed generators are not part of this build
-        raise ValueError(f"generators are not available in this build ({exc})") from None
     try:
         return TypeAdapter(GeneratorSpec).validate_python(value)
     except ValidationError as exc:
@@ -194,10 +190,8 @@ class LlmJudgeEntry(StrictModel):
 
     @model_validator(mode="after")
     def _validate_llm_spec(self) -> LlmJudgeEntry:
-        try:
-            from rlfabric.prefs.llm_judge import LlmJudgeSpec
-        except ImportError as exc:  # the model-backed judge is not part of this build
-            raise ValueError(f"the llm judge is not available in this build ({exc})") from None
+        from rlfabric.prefs.llm_judge import LlmJudgeSpec  # its generators import grpc and httpx
+
         values = dict(self.model_extra or {})
         if self.name is not None:
             values["name"] = self.name
