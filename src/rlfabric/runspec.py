@@ -419,22 +419,86 @@ class WeightsSpec(SpecModel):
     """Published versions kept in the object store (older ones are deleted)."""
 
 
+PreferenceLossName = Literal["dpo", "ipo", "kto", "orpo", "simpo"]
+"""The offline preference losses (`rlfabric.learner.algorithms.preference`)."""
+
+SIMPO_BETA = 2.0
+"""`preference.beta`'s default with loss simpo (the SimPO paper's beta is 2.0-2.5); 0.1 with the others."""
+
+
 class PreferenceSpec(SpecModel):
-    """Offline preference training (`mode = "offline_preference"`): the loss and the dataset's columns.
+    """Offline preference training (`mode = "offline_preference"`): the loss, its parameters and the
+    dataset's columns. The dataset's `prompt_field` holds the prompt (a string or chat messages).
 
-    The dataset's `prompt_field` holds the prompt (a string or chat messages). A micro-batch holds
-    `train.micro_batch_size // 2` pairs (at least one): a pair's two completions share a forward pass."""
+    dpo, ipo, orpo and simpo train on (prompt, chosen, rejected) pairs: a micro-batch holds
+    `train.micro_batch_size // 2` pairs (at least one), a pair's two completions share a forward pass.
+    kto trains on unpaired rows, `train.micro_batch_size` per micro-batch, in TRL's formats: rows of
+    (prompt, `completion_field`, `label_field`), the label a bool (true: desirable), or (prompt, chosen,
+    rejected) pairs, each then one desirable and one undesirable row; the first row decides (pairs when it
+    holds `chosen_field` and `rejected_field` and no `completion_field`). dpo, ipo and kto read the frozen
+    reference (`model.reference_path`, else `model.path`); orpo and simpo load no reference."""
 
-    loss: Literal["dpo", "ipo"] = "dpo"
-    """dpo: sigmoid DPO on summed completion log-probs; ipo: IPO on per-token mean log-probs."""
+    loss: PreferenceLossName = "dpo"
+    """dpo: sigmoid DPO on summed completion log-probs; ipo: IPO on per-token mean log-probs; simpo:
+    SimPO, reference-free, length-normalised; orpo: ORPO, reference-free, the chosen completion's NLL plus
+    an odds-ratio term; kto: KTO, on rows labelled desirable or undesirable."""
     beta: float = Field(default=0.1, gt=0.0)
-    """Strength of the implicit KL to the reference (DPO's temperature; IPO's margin is 1 / (2 beta))."""
+    """Inverse temperature of the implicit reward: DPO's and KTO's strength of the implicit KL to the
+    reference, IPO's margin 1 / (2 beta), SimPO's scale of the length-normalised reward (default 2.0 with
+    simpo, 0.1 otherwise). Not used by orpo (its weight is `orpo_lambda`)."""
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
-    """DPO only: probability that a pair's labels are flipped (conservative DPO)."""
+    """dpo and simpo: probability that a pair's labels are flipped (conservative DPO)."""
+    simpo_gamma: float = Field(default=0.5, ge=0.0)
+    """simpo: the target reward margin gamma, in reward units, subtracted inside the sigmoid (the paper's
+    gamma and TRL's `simpo_gamma`; the SimPO repository's `gamma_beta_ratio` is gamma / beta)."""
+    orpo_lambda: float = Field(default=0.1, gt=0.0)
+    """orpo: lambda, the weight of the odds-ratio term against the NLL term (TRL's `ORPOConfig.beta`)."""
+    kto_desirable_weight: float = Field(default=1.0, gt=0.0)
+    """kto: lambda_D, the weight of a desirable row's loss. The KTO paper advises
+    lambda_D * n_D / (lambda_U * n_U) within [1, 4/3] (n: the rows of each class)."""
+    kto_undesirable_weight: float = Field(default=1.0, gt=0.0)
+    """kto: lambda_U, the weight of an undesirable row's loss."""
     chosen_field: str = "chosen"
     """Column with the preferred completion (a string)."""
     rejected_field: str = "rejected"
     """Column with the dispreferred completion (a string)."""
+    completion_field: str = "completion"
+    """kto, unpaired rows: column with the completion (a string)."""
+    label_field: str = "label"
+    """kto, unpaired rows: column with the label, a bool (true: desirable; 1 and 0 are accepted)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _simpo_beta(cls, data: Any) -> Any:
+        """A simpo run without a beta gets SimPO's (`SIMPO_BETA`), not DPO's 0.1."""
+        if isinstance(data, dict) and data.get("loss") == "simpo" and "beta" not in data:
+            return {**data, "beta": SIMPO_BETA}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_other_losses(self) -> PreferenceSpec:
+        """A loss's own field set away from its default under another loss is a mistake: refused."""
+        for name, losses in LOSS_ONLY_FIELDS.items():
+            default = type(self).model_fields[name].default
+            if self.loss not in losses and getattr(self, name) != default:
+                raise ValueError(
+                    f"preference.{name} applies to loss {' or '.join(losses)}, not {self.loss!r}"
+                )
+        if self.loss == "orpo" and self.beta != type(self).model_fields["beta"].default:
+            raise ValueError("preference.beta is not used by loss 'orpo': its weight is orpo_lambda")
+        return self
+
+
+LOSS_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "label_smoothing": ("dpo", "simpo"),
+    "simpo_gamma": ("simpo",),
+    "orpo_lambda": ("orpo",),
+    "kto_desirable_weight": ("kto",),
+    "kto_undesirable_weight": ("kto",),
+    "completion_field": ("kto",),
+    "label_field": ("kto",),
+}
+"""`PreferenceSpec` fields that only some losses read: the losses that do."""
 
 
 class SFTSpec(SpecModel):

@@ -12,6 +12,9 @@ The schema (`RunSpec`) says whether a run file is well formed; this module says 
     dataset   the training split (and a separate evaluation split) of a local dataset reads, through
               `rlfabric.data` as the run reads it; the columns the run reads exist in its first rows;
               the first training prompts fit the context. Hub datasets are not downloaded here
+    pairs     (`mode = "offline_preference"`) the prompt and the loss's columns (`preference_data`: KTO's
+              first row decides between pairs and labelled rows) exist in the first rows; KTO's labels
+              there are bools; a reference-free loss with `model.reference_path` is a note
     sft       (`mode = "sft"`, and an online run's `warm_start`, whose issues name `warm_start.*`) the
               first rows parse as conversations or prompt-completion rows and, with the tokenizer,
               render incrementally as the run renders them (`rlfabric.learner.sft_data`); rows longer
@@ -223,8 +226,9 @@ def _first_line(exc: BaseException) -> str:
 # -- dataset --------------------------------------------------------------------------------------------
 
 
-def column_fields(spec: RunSpec) -> dict[str, str]:
-    """The columns the run reads from each row, by the field that names them."""
+def column_fields(spec: RunSpec, first: Any = None) -> dict[str, str]:
+    """The columns the run reads from each row, by the field that names them; `first` is the dataset's
+    first row (it decides a KTO run's format: `rlfabric.learner.preference_data`)."""
     data = spec.dataset
     if spec.mode == "sft":
         return {}  # a row holds messages, or a prompt and a completion: `check_sft_rows`
@@ -239,8 +243,9 @@ def column_fields(spec: RunSpec) -> dict[str, str]:
         return columns
     columns = {"dataset.prompt_field": data.prompt_field}
     if spec.mode == "offline_preference":
-        columns["preference.chosen_field"] = spec.preference.chosen_field
-        columns["preference.rejected_field"] = spec.preference.rejected_field
+        from rlfabric.learner.preference_data import preference_columns
+
+        columns.update(preference_columns(spec.preference, first))
         return columns
     if data.reference_field is not None:
         columns["dataset.reference_field"] = data.reference_field
@@ -261,6 +266,8 @@ def check_dataset(spec: RunSpec, tokenizer: Any = None, rows: int = FIRST_ROWS) 
         report.extend(eval_report)
         if evaluated is not None:
             report.issues += missing_columns(spec, evaluated, within="the evaluation set")
+    if spec.mode == "offline_preference" and not report.issues:
+        report.extend(check_preference_rows(spec, records))
     if spec.mode == "sft" and not report.issues:
         report.extend(check_sft_rows(spec, records, tokenizer))
     elif spec.mode == "reward_model":
@@ -292,7 +299,7 @@ def missing_columns(spec: RunSpec, records: Sequence[Any], within: str = "the da
     """One issue per column the run reads that a row lacks (the first such row named); `within` names
     the set in the message."""
     issues = []
-    for name, column in column_fields(spec).items():
+    for name, column in column_fields(spec, records[0] if records else None).items():
         lacking = [i for i, r in enumerate(records, 1) if not isinstance(r, dict) or column not in r]
         if lacking:
             message = f"column {column!r} is missing from row {lacking[0]} of {within}"
@@ -332,6 +339,32 @@ def prompt_tokens(spec: RunSpec, prompt: Any, tokenizer: Any) -> int:
     elif not isinstance(prompt, str):
         prompt = "\n".join(str(m.get("content", "")) for m in prompt)
     return len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+# -- offline preference ---------------------------------------------------------------------------------
+
+
+def check_preference_rows(spec: RunSpec, records: Sequence[Any]) -> CheckReport:
+    """KTO's unpaired rows: the first label that is not a bool is an issue naming `preference.label_field`.
+    A reference-free loss (orpo, simpo) with `model.reference_path` set is a note: it is not loaded."""
+    from rlfabric.learner.preference_data import (
+        REFERENCE_FREE_LOSSES,
+        PreferenceRowError,
+        kto_label,
+        kto_reads_pairs,
+    )
+
+    pref, report = spec.preference, CheckReport()
+    if pref.loss in REFERENCE_FREE_LOSSES and spec.model.reference_path is not None:
+        report.notes.append(f"model.reference_path: loss {pref.loss!r} uses no reference; it is not loaded")
+    if pref.loss != "kto" or kto_reads_pairs(pref, records[0]):
+        return report
+    try:
+        for index, record in enumerate(records):
+            kto_label(pref, record, index)
+    except PreferenceRowError as exc:
+        report.issues.append(SpecIssue(exc.field, exc.detail, "bad_row"))
+    return report
 
 
 # -- sft ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The offline preference run (`run.mode = "offline_preference"`): DPO or IPO on a fixed dataset of pairs.
+"""The offline preference run (`run.mode = "offline_preference"`): DPO, IPO, SimPO, ORPO or KTO on a fixed
+dataset of preference pairs (KTO: of rows labelled desirable or undesirable).
 
 No rollout or reward service is involved; checkpoints and published weights are the online learner's, so
 replicas and evaluation read the result the same way. Redis only with `report_to_redis` (a run submitted
@@ -12,8 +13,9 @@ when the coordinator asks, and says when the data ran out.
              and the consumed pair ids; the next version is above both the checkpoint's and the newest
              published one
     repeat until `train.steps` steps are done or the order is exhausted:
-      1. draw     the next `train.groups_per_step` pairs of the order (pairs per step in this mode)
-      2. train    PreferenceTrainer.train_step on every rank (FSDP2)
+      1. draw     the next `train.groups_per_step` pairs of the order (pairs per step in this mode; KTO:
+                  rows)
+      2. train    PreferenceTrainer.train_step (KTO: KTOTrainer) on every rank (FSDP2)
       3. persist  every `train.checkpoint_every` steps and at the end: checkpoint with the cursor
       4. publish  gather the full weights, write version v to the object store (always the object store:
                   there are no replicas to broadcast to)
@@ -26,9 +28,11 @@ rows of the abandoned steps; the last row of each step is the one that counts).
 Dataset rows are read by `rlfabric.data`, as the coordinator reads prompts: a JSONL, JSON, Parquet or CSV
 file, a `save_to_disk` folder, a folder of data files or a hub id, with `dataset.split` (and `name`,
 `revision`). `dataset.prompt_field` holds a string or a list of {role, content} messages;
-`preference.chosen_field` and `preference.rejected_field` hold strings. With `dataset.chat_template` the
-prompt is rendered with the model's chat template (a string becomes one user message) and each completion
-ends with the tokenizer's EOS token. `dataset.held_out_fraction` and `eval_every_steps` are not used here.
+`preference.chosen_field` and `preference.rejected_field` hold strings; KTO reads those pairs (each two
+rows) or unpaired rows of `preference.completion_field` (a string) and `label_field` (a bool), as
+`preference_data` says. With `dataset.chat_template` the prompt is rendered with the model's chat
+template (a string becomes one user message) and each completion ends with the tokenizer's EOS token.
+`dataset.held_out_fraction` and `eval_every_steps` are not used here.
 
 `OfflineRun` is also the loop of supervised fine-tuning (`mode = "sft"`, `sft_run.SFTRun`): the same
 draw, persist, publish and report, with examples for pairs, held-out evaluation and a final model.
@@ -64,8 +68,10 @@ from rlfabric.learner.dist import (
     leave_together,
 )
 from rlfabric.learner.export import drop_tied_head
+from rlfabric.learner.kto import KTOExample, KTOTrainer
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
+from rlfabric.learner.preference_data import PreferenceRowError, kto_label, kto_reads_pairs
 from rlfabric.learner.trainer_base import ItemT, TrainerBase
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime.logs import setup_logging
@@ -125,17 +131,49 @@ class PairTokenizer:
 
 def load_pairs(spec: RunSpec) -> list[PreferencePair]:
     """Every row of the dataset's split as a tokenised pair; the pair id is the row's index in the split."""
-    data, pref = spec.dataset, spec.preference
-    tok = PairTokenizer(spec.model.path, data.chat_template, spec.model.max_model_len)
+    pref = spec.preference
+    tok = PairTokenizer(spec.model.path, spec.dataset.chat_template, spec.model.max_model_len)
     pairs = []
     for index, row in enumerate(read_pairs(spec)):
-        prompt = tok.prompt(row[data.prompt_field])
-        if len(prompt) >= spec.model.max_model_len:
-            raise ValueError(f"row {index}: the prompt alone fills model.max_model_len")
+        prompt = row_prompt(spec, tok, row, index)
         chosen = tok.completion(row[pref.chosen_field], len(prompt))
         rejected = tok.completion(row[pref.rejected_field], len(prompt))
         pairs.append(PreferencePair(prompt, chosen, rejected, pair_id=str(index)))
     return pairs
+
+
+def row_prompt(spec: RunSpec, tok: PairTokenizer, row: dict[str, Any], index: int) -> list[int]:
+    """Row `index`'s prompt ids; a `ValueError` when the prompt alone fills `model.max_model_len`."""
+    prompt = tok.prompt(row[spec.dataset.prompt_field])
+    if len(prompt) >= spec.model.max_model_len:
+        raise ValueError(f"row {index}: the prompt alone fills model.max_model_len")
+    return prompt
+
+
+def load_kto_examples(spec: RunSpec) -> list[KTOExample]:
+    """Every row of the split as KTO rows (`preference_data`): an unpaired row is one, its id the row's
+    index; a pair two, the chosen completion desirable ("<index>/chosen"), then the rejected one
+    undesirable ("<index>/rejected")."""
+    pref = spec.preference
+    tok = PairTokenizer(spec.model.path, spec.dataset.chat_template, spec.model.max_model_len)
+    records = read_pairs(spec)
+    paired = kto_reads_pairs(pref, records[0])
+    examples = []
+    for index, row in enumerate(records):
+        prompt = row_prompt(spec, tok, row, index)
+        if paired:
+            for field_name, good in ((pref.chosen_field, True), (pref.rejected_field, False)):
+                completion = tok.completion(row[field_name], len(prompt))
+                name = f"{index}/{'chosen' if good else 'rejected'}"
+                examples.append(KTOExample(prompt, completion, good, pair_id=name))
+            continue
+        if pref.completion_field not in row:
+            message = f"row {index + 1} has no column {pref.completion_field!r}"
+            raise PreferenceRowError("preference.completion_field", message)
+        label = kto_label(pref, row, index)
+        completion = tok.completion(row[pref.completion_field], len(prompt))
+        examples.append(KTOExample(prompt, completion, label, pair_id=str(index)))
+    return examples
 
 
 def training_order(pairs: Sequence[ItemT], epochs: int, seed: int | None) -> list[ItemT]:
@@ -351,6 +389,10 @@ def run_offline(config: LearnerServiceConfig, device: torch.device | None = None
         raise ValueError(f"run.mode is {config.run.mode!r}, not 'offline_preference'")
     world = init_distributed(device)
     spec = config.run
+    if spec.preference.loss == "kto":
+        rows = training_order(load_kto_examples(spec), spec.dataset.epochs, spec.dataset.shuffle_seed)
+        kto = KTOTrainer(spec, spec.model.path, device=world.device, world=world)
+        return run_until_stopped(OfflineRun(config, world, kto), rows)
     trainer = PreferenceTrainer(spec, spec.model.path, device=world.device, world=world)
     order = training_order(load_pairs(spec), spec.dataset.epochs, spec.dataset.shuffle_seed)
     return run_until_stopped(OfflineRun(config, world, trainer), order)

@@ -1,19 +1,22 @@
-"""Offline preference training (DPO, IPO) on (prompt, chosen, rejected) pairs, FSDP2-sharded.
+"""Offline preference training on (prompt, chosen, rejected) pairs (DPO, IPO, SimPO, ORPO), FSDP2-sharded.
+KTO, on unpaired rows, is `kto.KTOTrainer`.
 
 `PreferenceTrainer.train_step(pairs)` runs in named phases, like the online `Trainer`:
 1. plan: this rank's share of the pairs (round-robin), cut into micro-batches of whole pairs (a pair's two
    completions are consecutive rows of one forward pass), padded to the same count on every rank (FSDP
    collectives need it), and the step's pair count summed over the ranks;
-2. reference pass: the frozen reference's log-prob of each completion, without gradient;
+2. reference pass: the frozen reference's log-prob of each completion, without gradient (DPO and IPO:
+   SimPO and ORPO are reference-free, and no reference is loaded for them: one model in memory);
 3. accumulate: per micro-batch, the policy's log-probs, the loss by name (`spec.preference.loss`), and
    backward;
 4. optimizer step: grad clipping, AdamW, LR schedule (the online trainer's `build_optimizer`);
 5. metrics: one all-reduce of every summed statistic.
 
-A completion's log-prob is the sum of its tokens' log-probs for DPO and their mean for IPO (the IPO paper's
-choice, and TRL's). The losses average over pairs, so gradient accumulation is exact when each micro-batch
-of P pairs is weighted by `P / global_pairs`; FSDP averages gradients over ranks, so each rank's loss is
-also multiplied by the world size. The reference is always loaded: DPO needs it whatever `kl.coef` says.
+A completion's log-prob is the sum of its tokens' log-probs for DPO and their mean for IPO, SimPO and ORPO
+(`algorithms.preference.LOSS_KINDS`; ORPO's NLL term is then minus the chosen mean). Every loss averages
+over pairs, so gradient accumulation is exact when each micro-batch of P pairs is weighted by
+`P / global_pairs`; FSDP averages gradients over ranks, so each rank's loss is also multiplied by the
+world size. A loss with a reference always loads it: DPO needs it whatever `kl.coef` says.
 """
 
 from __future__ import annotations
@@ -25,16 +28,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlfabric.learner.algorithms import PREFERENCE_LOSSES, masked_sum
+from rlfabric.learner.algorithms import masked_sum
+from rlfabric.learner.algorithms.preference import LOSS_KINDS, PREFERENCE_LOSSES
 from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
 from rlfabric.learner.checkpoint import TrainObjects
 from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, defer_gradient_sync
 from rlfabric.learner.parts import LOGPROB_CHUNK, build_optimizer, clip_and_step, load_model
 from rlfabric.learner.trainer_base import TrainerBase
-from rlfabric.runspec import RunSpec
-
-SUMMED_STATS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
-"""The losses' per-pair statistics (batch means), accumulated as sums over pairs."""
+from rlfabric.runspec import PreferenceSpec, RunSpec
 
 
 @dataclass
@@ -100,14 +101,30 @@ class PairMicroBatch:
     pairs: int
     """Pairs in it: 0 for padding."""
     ref_logps: Tensor | None = None
-    """(2 * pairs,) the reference's completion log-probs, rows as in `mb` (set by the reference pass)."""
+    """(2 * pairs,) the reference's completion log-probs, rows as in `mb` (set by the reference pass;
+    None for a reference-free loss)."""
+
+
+def loss_options(pref: PreferenceSpec) -> dict[str, float]:
+    """The keyword options of `pref.loss`'s function, from the spec."""
+    if pref.loss == "dpo":
+        return {"beta": pref.beta, "label_smoothing": pref.label_smoothing}
+    if pref.loss == "simpo":
+        return {"beta": pref.beta, "gamma": pref.simpo_gamma, "label_smoothing": pref.label_smoothing}
+    if pref.loss == "orpo":
+        return {"lam": pref.orpo_lambda}
+    return {"beta": pref.beta}
 
 
 class PreferenceTrainer(TrainerBase[PreferencePair]):
-    """Policy, frozen reference, optimizer and schedule of one learner rank, trained on preference pairs."""
+    """Policy, frozen reference (for the losses that read one), optimizer and schedule of one learner
+    rank, trained on preference pairs."""
 
     def __init__(self, spec: RunSpec, model_path: str | Path, *, device: torch.device, world: World) -> None:
         super().__init__(spec, device=device, world=world)
+        self.kind = LOSS_KINDS[spec.preference.loss]
+        if not self.kind.paired:
+            raise ValueError(f"loss {spec.preference.loss!r} trains on unpaired rows: kto.KTOTrainer")
         dtype = self.dtype
         checkpointing = spec.train.activation_checkpointing
         compile_blocks = spec.train.compile
@@ -119,13 +136,21 @@ class PreferenceTrainer(TrainerBase[PreferencePair]):
             checkpointing=checkpointing,
             compile_blocks=compile_blocks,
         )
-        reference_path = spec.model.reference_path or model_path
-        self.reference = load_model(
-            reference_path, device, dtype, trainable=False, checkpointing=False, compile_blocks=compile_blocks
-        )
+        self.reference: nn.Module | None = None
+        if self.kind.reference:
+            reference_path = spec.model.reference_path or model_path
+            self.reference = load_model(
+                reference_path,
+                device,
+                dtype,
+                trainable=False,
+                checkpointing=False,
+                compile_blocks=compile_blocks,
+            )
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
-        self.average = spec.preference.loss == "ipo"
+        self.average = self.kind.average
+        self.options = loss_options(spec.preference)
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -160,7 +185,10 @@ class PreferenceTrainer(TrainerBase[PreferencePair]):
 
     @torch.no_grad()
     def _reference_pass(self, plan: list[PairMicroBatch]) -> None:
-        """The reference's completion log-probs of every micro-batch (padding ones too: FSDP collectives)."""
+        """The reference's completion log-probs of every micro-batch (padding ones too: FSDP collectives);
+        nothing for a reference-free loss."""
+        if self.reference is None:
+            return
         for pmb in plan:
             pmb.ref_logps = completion_logprobs(self.reference, pmb.mb, self.pad_id, average=self.average)
 
@@ -181,11 +209,10 @@ class PreferenceTrainer(TrainerBase[PreferencePair]):
         if pmb.pairs == 0:
             (logps.sum() * 0.0).backward()  # padding: the forward and backward collectives only
             return {}
-        assert pmb.ref_logps is not None
-        loss, stats = self._loss(logps[0::2], logps[1::2], pmb.ref_logps[0::2], pmb.ref_logps[1::2])
+        loss, stats = self._loss(logps, pmb.ref_logps)
         weight = pmb.pairs / max(global_pairs, 1.0)
         (loss * (weight * self.world.size)).backward()
-        sums = {name: stats[name] * pmb.pairs for name in SUMMED_STATS}
+        sums = {name: stats[name] * pmb.pairs for name in self.kind.stats}
         sums.update(
             loss=loss.detach() * pmb.pairs,
             logps_chosen=logps[0::2].detach().sum(),
@@ -195,15 +222,14 @@ class PreferenceTrainer(TrainerBase[PreferencePair]):
         )
         return sums
 
-    def _loss(
-        self, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """`spec.preference.loss` on (P,) completion log-probs → mean loss () and its statistics."""
-        pref = self.spec.preference
-        options = {"beta": pref.beta}
-        if pref.loss == "dpo":
-            options["label_smoothing"] = pref.label_smoothing
-        return PREFERENCE_LOSSES[pref.loss](chosen, rejected, ref_chosen, ref_rejected, **options)
+    def _loss(self, logps: Tensor, ref_logps: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """`spec.preference.loss` on a micro-batch's (2P,) completion log-probs (chosen at even rows) and
+        the reference's (None when reference-free) → mean loss over its pairs () and statistics."""
+        inputs = [logps[0::2], logps[1::2]]
+        if self.kind.reference:
+            assert ref_logps is not None
+            inputs += [ref_logps[0::2], ref_logps[1::2]]
+        return PREFERENCE_LOSSES[self.spec.preference.loss](*inputs, **self.options)
 
     # -- phase 4: optimizer step ------------------------------------------------------------------------
 
@@ -215,7 +241,7 @@ class PreferenceTrainer(TrainerBase[PreferencePair]):
 
     def _finish_metrics(self, sums: dict[str, Tensor]) -> dict[str, float]:
         """Sum every statistic over the ranks (one all-reduce) and turn sums into means over pairs."""
-        names = ("loss", *SUMMED_STATS, "logps_chosen", "logps_rejected", "tokens", "pairs")
+        names = ("loss", *self.kind.stats, "logps_chosen", "logps_rejected", "tokens", "pairs")
         zero = torch.zeros((), device=self.device)
         stacked = torch.stack([sums.get(n, zero).float() for n in names])
         total = dict(zip(names, all_reduce_sum(stacked, self.world).tolist(), strict=True))

@@ -14,7 +14,7 @@ PC, PR, RC, RR = (torch.tensor([v]) for v in (-1.0, -3.0, -2.0, -2.0))
 
 
 def test_registry_names() -> None:
-    assert set(PREFERENCE_LOSSES) == {"dpo", "ipo"}
+    assert set(PREFERENCE_LOSSES) == {"dpo", "ipo", "kto", "orpo", "simpo"}
     assert PREFERENCE_LOSSES["dpo"] is dpo_loss
 
 
