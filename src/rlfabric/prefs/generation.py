@@ -264,7 +264,7 @@ class RolloutGenerator(Generator):
     def _texts(self, samples: list[rollout_pb2.GeneratedSample], prompts: int, n: int) -> list[Outcome]:
         texts: list[list[str | None]] = [[None] * n for _ in range(prompts)]
         for s in samples:
-            if s.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            if wire.finish_reason_from_proto(s.finish_reason) == "abort":
                 raise _Retry("a weight update aborted the request's samples")
             self._check_version(s.policy_version)
             texts[s.prompt_index][s.sample_index] = s.text
