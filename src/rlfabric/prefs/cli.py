@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("pipeline", metavar="PIPELINE_FILE", help="TOML, YAML or JSON pipeline file")
     add_store(build, "the store folder (default: the pipeline file's `store`)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
+    build.add_argument(
+        "--scorer-policy",
+        metavar="FILE",
+        help="JSON policy of the scorer judges (allowed_functions, sandbox, judge_api_keys) in place of "
+        "the default (user code from the pipeline file's folder and the modules its judges name); the "
+        "coordinator passes its operator's",
+    )
+    build.add_argument("--result", metavar="FILE", help="also write the --json answer into FILE")
     add_json(build)
     listing = verbs.add_parser("list", help="list the versions in the store")
     add_store(listing)
@@ -119,25 +127,49 @@ def cmd_build(args: argparse.Namespace) -> int:
     from rlfabric.prefs.store import verify
 
     spec, text = load_pipeline(args.pipeline)
+    policy = scorer_policy(args.scorer_policy) if args.scorer_policy else None
     try:
-        result = asyncio.run(build(spec, text, args.pipeline, args.store, progress=not args.no_progress))
+        result = asyncio.run(
+            build(spec, text, args.pipeline, args.store, progress=not args.no_progress, policy=policy)
+        )
     except JudgeError as exc:
         return fail(str(exc), 1)
     checked = verify(result.path)
+    answer = {
+        "id": result.id,
+        "path": str(result.path),
+        "existed": result.existed,
+        "verified": checked.ok,
+        "problems": checked.problems,
+        "report": result.report,
+    }
+    if args.result:
+        write_result(Path(args.result), answer)
     if args.json:
-        print_json(
-            {
-                "id": result.id,
-                "path": str(result.path),
-                "existed": result.existed,
-                "verified": checked.ok,
-                "problems": checked.problems,
-                "report": result.report,
-            }
-        )
+        print_json(answer)
     else:
         print_build(result, checked.ok)
     return 0 if checked.ok else 1
+
+
+def write_result(path: Path, answer: dict[str, Any]) -> None:
+    """`answer` as JSON into `path`, atomically (a reader never sees half of it)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(answer, indent=2, ensure_ascii=False), encoding="utf-8")
+    temporary.replace(path)
+
+
+def scorer_policy(path: str) -> Any:
+    """The `ScorerPolicy` of a JSON file (`ScorerPolicy.to_json`); `ConfigError` naming the file."""
+    from pydantic import ValidationError
+
+    from rlfabric.reward.scorers.policy import ScorerPolicy
+    from rlfabric.runtime.config import ConfigError
+
+    try:
+        return ScorerPolicy.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, ValidationError) as exc:
+        raise ConfigError(f"--scorer-policy {path}: {type(exc).__name__}: {exc}") from None
 
 
 def print_build(result: Any, verified: bool) -> None:

@@ -311,7 +311,11 @@ class ScorerJudge:
     failed score an error. Each distinct (prompt, completion, reference) is scored once, so the second
     order costs nothing (and a deterministic scorer is never position-biased)."""
 
-    def __init__(self, name: str, spec: ScorerJudgeSpec, pipeline_file: str | None = None) -> None:
+    def __init__(
+        self, name: str, spec: ScorerJudgeSpec, pipeline_file: str | None = None, policy: Any | None = None
+    ) -> None:
+        """`policy` (a `ScorerPolicy`): the operator's, e.g. a coordinator build's; None allows user code
+        from the pipeline file's folder and the modules the spec names, as `rlfabric up` does."""
         from rlfabric.reward.check import allowed_functions
         from rlfabric.reward.scorers import build_scorer
         from rlfabric.reward.scorers.policy import ScorerPolicy
@@ -319,7 +323,8 @@ class ScorerJudge:
 
         self.name, self.spec = name, spec
         self.scorer_spec = spec_from_reward_spec(spec)
-        policy = ScorerPolicy(allowed_functions=tuple(allowed_functions(spec, pipeline_file)))
+        if policy is None:
+            policy = ScorerPolicy(allowed_functions=tuple(allowed_functions(spec, pipeline_file)))
         self.scorer = build_scorer(self.scorer_spec.name, self.scorer_spec.params, policy)
         self.scores: dict[str, Any] = {}
 
@@ -371,23 +376,32 @@ def score_key(prompt: Prompt, completion: str, reference: str) -> str:
     return json.dumps([prompt, completion, reference], sort_keys=True, ensure_ascii=False)
 
 
-def make_judges(spec: PipelineSpec, pipeline_file: str | None = None) -> dict[str, PairwiseJudge]:
+def make_judges(
+    spec: PipelineSpec,
+    pipeline_file: str | None = None,
+    policy: Any | None = None,
+    generators: Callable[[Any], Any] | None = None,
+) -> dict[str, PairwiseJudge]:
     """The pipeline's judges by name; a scorer that does not build raises `InvalidScorerSpec` naming
-    `judges[i].<field>` (the llm judge is imported only when one is declared)."""
+    `judges[i].<field>` (the llm judge is imported only when one is declared). `policy` (a
+    `ScorerPolicy`) replaces the default one of scorer judges; `generators` gives an llm judge a
+    generator for its spec that the caller owns (shared with other stages)."""
     from rlfabric.reward.scorers import InvalidScorerSpec
 
     judges: dict[str, PairwiseJudge] = {}
     for i, (name, entry) in enumerate(zip(spec.judge_names(), spec.judges, strict=True)):
         if isinstance(entry, ScorerJudgeSpec):
             try:
-                judges[name] = ScorerJudge(name, entry, pipeline_file)
+                judges[name] = ScorerJudge(name, entry, pipeline_file, policy)
             except InvalidScorerSpec as exc:
                 field_name = "scorer" if exc.field == "name" else exc.field
                 raise InvalidScorerSpec(f"judges[{i}].{field_name}", exc.reason) from None
         else:
             from rlfabric.prefs.llm_judge import LlmPairwiseJudge
 
-            judges[name] = LlmPairwiseJudge(entry.spec.model_copy(update={"name": name}))
+            llm = entry.spec.model_copy(update={"name": name})
+            shared = generators(llm.generator) if generators is not None else None
+            judges[name] = LlmPairwiseJudge(llm, shared)
     return judges
 
 

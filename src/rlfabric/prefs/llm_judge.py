@@ -136,11 +136,13 @@ def judgement(outcome: Outcome) -> Judgement:
 
 
 class LlmPairwiseJudge:
-    """A `types.PairwiseJudge` backed by a generator (built from `spec.generator` unless one is given)."""
+    """A `types.PairwiseJudge` backed by a generator: built from `spec.generator` (and closed by `close`)
+    unless one is given (then its owner closes it: a generator shared with other stages)."""
 
     def __init__(self, spec: LlmJudgeSpec, generator: Generator | None = None) -> None:
         self.spec = spec
         self.name = spec.name
+        self._owned = generator is None
         self.generator = generator if generator is not None else make_generator(spec.generator)
 
     async def judge(self, comparisons: Sequence[Comparison]) -> list[Judgement]:
@@ -171,5 +173,6 @@ class LlmPairwiseJudge:
         }
 
     async def close(self) -> None:
-        """Closes the generator's channel or HTTP client."""
-        await self.generator.close()
+        """Closes the generator's channel or HTTP client, when this judge made it."""
+        if self._owned:
+            await self.generator.close()

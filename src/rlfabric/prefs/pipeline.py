@@ -11,7 +11,9 @@
     7. report    counts per stage, hygiene, judges, balance (`prefs.report`)
     8. store     the version written atomically under its content id (`prefs.store`)
 
-Every dropped candidate goes to the version's `dropped.jsonl` with its stage, rule and evidence.
+Every dropped candidate goes to the version's `dropped.jsonl` with its stage, rule and evidence. Stages
+whose generators are specified alike (the source's, `[cai]`'s, an llm judge's) share one instance
+(`SharedGenerators`): a `kind = "local"` replica starts once per build, not once per stage.
 """
 
 from __future__ import annotations
@@ -81,25 +83,29 @@ async def build(
     pipeline_file: str | None = None,
     store_dir: str | Path | None = None,
     progress: bool = False,
+    policy: Any | None = None,
 ) -> BuildResult:
-    """Run every stage of the module docstring; the written (or found) version."""
+    """Run every stage of the module docstring; the written (or found) version. `policy` (a
+    `reward.scorers.policy.ScorerPolicy`) is the scorer judges' instead of the default (user code from
+    the pipeline file's folder and the modules the judges name)."""
     started = time.monotonic()
     show = Progress(progress)
     root = Path(store_dir if store_dir is not None else spec.store)
     parents = resolve_parents(spec, root)
-    source = await run_source(spec, show)
-    cai, cai_generator = await run_cai(spec.cai, source, show) if spec.cai is not None else ([], None)
-    candidates = number([*source.candidates, *cai])
-    hygiene = run_clean(spec, candidates, show)
-    judging, rows = await run_judging(spec, hygiene.kept, pipeline_file, show)
+    async with SharedGenerators() as generators:
+        source = await run_source(spec, show, generators)
+        cai, cai_generator = await run_cai(spec.cai, source, show, generators) if spec.cai else ([], None)
+        candidates = number([*source.candidates, *cai])
+        hygiene = run_clean(spec, candidates, show)
+        judging, rows = await run_judging(spec, hygiene.kept, pipeline_file, show, policy, generators)
     stages = stage_counts(source, cai, candidates, hygiene, judging, rows)
     judging_report = None
     if judging is not None:
         dropped = dict(sorted(Counter(d.rule for d in judging.dropped).items()))
         judging_report = {"judges": judging.judges, "agreement": judging.agreement, "dropped": dropped}
     report = build_report(stages, hygiene.counts, judging_report, rows)
-    generators = {"source": source.generator, "cai": cai_generator}
-    fields = manifest_fields(spec, pipeline_text, parents, generators, judging, stages)
+    used = {"source": source.generator, "cai": cai_generator}
+    fields = manifest_fields(spec, pipeline_text, parents, used, judging, stages)
     build_notes = {"rlfabric": __version__, "pipeline_file": pipeline_file, "seconds": 0.0}
     build_notes["seconds"] = round(time.monotonic() - started, 3)
     dropped_rows = [d.as_record() for d in hygiene.dropped + (judging.dropped if judging else [])]
@@ -120,6 +126,31 @@ async def build(
 # -- stages ---------------------------------------------------------------------------------------------
 
 
+class SharedGenerators:
+    """One generator per distinct generator spec for the whole build (the spec's JSON is the key), closed
+    when the build leaves the context: stages that name the same generator share its instance."""
+
+    def __init__(self) -> None:
+        self._by_spec: dict[str, Any] = {}
+
+    def get(self, spec: Any) -> Any:
+        """The build's generator for `spec` (a `GeneratorSpec`), made on first request."""
+        from rlfabric.prefs.generation import make_generator
+
+        key = spec.model_dump_json()
+        if key not in self._by_spec:
+            self._by_spec[key] = make_generator(spec)
+        return self._by_spec[key]
+
+    async def __aenter__(self) -> SharedGenerators:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        for generator in self._by_spec.values():
+            await generator.close()
+        self._by_spec.clear()
+
+
 def resolve_parents(spec: PipelineSpec, root: Path) -> list[str]:
     """The full ids of `parents` (looked up in the store) and of a source that is a version folder."""
     ids = []
@@ -136,40 +167,36 @@ def resolve_parents(spec: PipelineSpec, root: Path) -> list[str]:
     return ids
 
 
-async def run_source(spec: PipelineSpec, show: Progress) -> SourceResult:
+async def run_source(spec: PipelineSpec, show: Progress, generators: SharedGenerators) -> SourceResult:
     if isinstance(spec.source, FileSource):
         show.note(f"reading {spec.source.path}")
         return read_file_source(spec.source)
     total = spec.source.limit or 0
     with show.bar("sampling", total) as advance:
-        return await sample_source(spec.source, advance)
+        return await sample_source(spec.source, advance, generators.get(spec.source.generator))
 
 
 async def run_cai(
-    spec: CaiSpec, source: SourceResult, show: Progress
+    spec: CaiSpec, source: SourceResult, show: Progress, generators: SharedGenerators
 ) -> tuple[list[Candidate], dict[str, Any]]:
     """Critique-revise each prompt's answer (`SourceResult.cai_answers`): (revised, original) pairs, and
     the generator's description."""
     from rlfabric.prefs.cai import critique_revise, load_principles
-    from rlfabric.prefs.generation import make_generator
 
     principles = load_principles(spec.principles)
-    generator = make_generator(spec.generator)
+    generator = generators.get(spec.generator)
     answers = source.cai_answers
     show.note(f"critique-revise: {len(answers)} answers x {len(principles)} principles")
-    try:
-        chains = await critique_revise(
-            generator,
-            [p for p, _, _ in answers],
-            [a for _, a, _ in answers],
-            principles,
-            max_tokens=spec.max_tokens,
-            temperature=spec.temperature,
-            seed=spec.seed,
-        )
-        described = generator.describe()
-    finally:
-        await generator.close()
+    chains = await critique_revise(
+        generator,
+        [p for p, _, _ in answers],
+        [a for _, a, _ in answers],
+        principles,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        seed=spec.seed,
+    )
+    described = generator.describe()
     pairs = [cai_candidate(chain, origin) for chain, (_, _, origin) in zip(chains, answers, strict=True)]
     return pairs, described
 
@@ -191,14 +218,19 @@ def run_clean(spec: PipelineSpec, candidates: Sequence[Candidate], show: Progres
 
 
 async def run_judging(
-    spec: PipelineSpec, candidates: list[Candidate], pipeline_file: str | None, show: Progress
+    spec: PipelineSpec,
+    candidates: list[Candidate],
+    pipeline_file: str | None,
+    show: Progress,
+    policy: Any | None = None,
+    generators: SharedGenerators | None = None,
 ) -> tuple[JudgingResult | None, list[PrefPair]]:
     """The judges on the candidates that need them; every kept candidate as a row, in candidate order."""
     if not spec.judges:
         return None, [source_row(c) for c in candidates]
     skip_cai = spec.cai is not None and not spec.cai.judge
     asked = [c for c in candidates if not (skip_cai and c.meta.get("source") == "cai")]
-    judges = make_judges(spec, pipeline_file)
+    judges = make_judges(spec, pipeline_file, policy, generators.get if generators else None)
     try:
         with show.bar("judging", len(asked) * len(judges)) as advance:
             result = await judge_candidates(judges, asked, spec.ensemble, spec.judge_batch_size, advance)

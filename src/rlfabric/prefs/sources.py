@@ -214,20 +214,26 @@ def rated_pairs(
 # -- sampling -------------------------------------------------------------------------------------------
 
 
-async def sample_source(spec: SampleSource, progress: Callable[[int], None] | None = None) -> SourceResult:
-    """`k` completions of each prompt from the generator, paired (`spec.pairing`), unlabelled."""
+async def sample_source(
+    spec: SampleSource, progress: Callable[[int], None] | None = None, generator: Any | None = None
+) -> SourceResult:
+    """`k` completions of each prompt from the generator, paired (`spec.pairing`), unlabelled. A given
+    `generator` (shared with other stages) is used and left open; else one is made from the spec and
+    closed."""
     from rlfabric.prefs.generation import make_generator
 
     source = Source("source", spec.prompts, spec.split, spec.name, spec.revision)
     rows = read_rows(source, spec.limit)
     prompts = column(rows, source, "prompt_field", spec.prompt_field, text=False)
     refs = references_of(rows, spec.reference_field)
-    generator = make_generator(spec.generator)
+    owned = generator is None
+    generator = make_generator(spec.generator) if generator is None else generator
     try:
         completions, failed = await generate_all(generator, prompts, spec, progress)
         described = generator.describe()
     finally:
-        await generator.close()
+        if owned:
+            await generator.close()
     candidates, answers = sampled_pairs(prompts, refs, completions, spec.pairing)
     counts = {
         "prompts": len(prompts),
