@@ -90,7 +90,8 @@ class LocalGenerator(Generator):
 
     def describe(self) -> dict[str, Any]:
         inner = self._inner.describe() if self._inner is not None else self._described
-        return {**inner, "kind": "local", "address": None, "model_path": self.spec.model}
+        inner = {k: v for k, v in inner.items() if k not in ("address", "replica_id")}  # this process's
+        return {**inner, "kind": "local", "model_path": self.spec.model}
 
     async def close(self) -> None:
         if self._inner is not None:
