@@ -73,7 +73,7 @@ class ModelSpec(SpecModel):
     tests: they build tiny models with `rlfabric make-tiny-model`)."""
     reference_path: str | None = None
     """Reference model for the KL penalty; defaults to `path`. Online runs do not load it when the KL
-    coefficient is 0; offline preference runs always do."""
+    coefficient is 0; offline preference runs load it for dpo, ipo and kto (orpo and simpo need none)."""
     critic_path: str | None = None
     """Causal LM whose transformer backbone (LM head dropped, a fresh scalar value head added) is the PPO
     critic; defaults to `path`. Loaded only with the gae estimator."""
@@ -386,8 +386,8 @@ class TrainSpec(SpecModel):
     steps: int = Field(default=100, ge=1, le=MAX_STEPS)
     """Optimizer steps in the run."""
     groups_per_step: int = Field(default=8, ge=1, le=MAX_BATCH)
-    """Scored groups consumed per step; in `offline_preference` mode, preference pairs per step; in `sft`
-    mode, rows (conversations) per step."""
+    """Scored groups consumed per step; in `offline_preference` and `reward_model` modes, preference pairs
+    (KTO: rows) per step; in `sft` mode, rows (conversations) per step."""
     micro_batch_size: int = Field(default=8, ge=1, le=MAX_BATCH)
     """Sequences per forward/backward; gradients are accumulated over the step."""
     checkpoint_every: int = Field(default=10, ge=1, le=MAX_STEPS)
@@ -655,8 +655,8 @@ class RunSpec(SpecModel):
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     """Weight publishing."""
     mode: Literal["online", "offline_preference", "sft", "reward_model"] = "online"
-    """online: RL on scored groups from the rollout and reward services; offline_preference: DPO/IPO on a
-    fixed dataset of (prompt, chosen, rejected) pairs; sft: supervised fine-tuning on conversations or
+    """online: RL on scored groups from the rollout and reward services; offline_preference: DPO, IPO,
+    KTO, ORPO or SimPO on a fixed dataset of preference pairs (KTO: also unpaired labelled rows); sft: supervised fine-tuning on conversations or
     prompt-completion rows; reward_model: a Bradley-Terry reward model on preference pairs. The offline
     modes need no rollout or reward service."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)

@@ -1,4 +1,4 @@
-"""The building blocks the learner's trainers share (`trainer.py` for RL, `preference.py` for DPO/IPO):
+"""The building blocks the learner's trainers share (RL, preference losses, reward models, SFT):
 loading a causal LM sharded with FSDP2, target log-probs and entropy in bounded chunks, AdamW with its
 LR schedule, and one clipped optimizer step.
 """

@@ -1,7 +1,9 @@
 """What every learner trainer is, whatever it trains on: the seam between the loops and the trainers.
 
-Three trainers share it: `trainer.Trainer` (online RL on scored groups), `preference.PreferenceTrainer`
-(offline DPO/IPO on preference pairs) and `sft.SFTTrainer` (supervised fine-tuning). The loops
+Every trainer shares it: `trainer.Trainer` (online RL on scored groups), `preference.PreferenceTrainer`
+(offline DPO/IPO/ORPO/SimPO on preference pairs), `kto.KTOTrainer` (KTO on labelled rows),
+`reward_model.RewardModelTrainer` (Bradley-Terry reward models) and `sft.SFTTrainer` (supervised
+fine-tuning). The loops
 (`loop.TrainingLoop`, `offline.OfflineRun`), the restart helpers and the leader are typed against
 `TrainerBase`, never against one trainer.
 
