@@ -656,9 +656,9 @@ class RunSpec(SpecModel):
     """Weight publishing."""
     mode: Literal["online", "offline_preference", "sft", "reward_model"] = "online"
     """online: RL on scored groups from the rollout and reward services; offline_preference: DPO, IPO,
-    KTO, ORPO or SimPO on a fixed dataset of preference pairs (KTO: also unpaired labelled rows); sft: supervised fine-tuning on conversations or
-    prompt-completion rows; reward_model: a Bradley-Terry reward model on preference pairs. The offline
-    modes need no rollout or reward service."""
+    KTO, ORPO or SimPO on a fixed dataset of preference pairs (KTO: also unpaired labelled rows); sft:
+    supervised fine-tuning on conversations or prompt-completion rows; reward_model: a Bradley-Terry
+    reward model on preference pairs. The offline modes need no rollout or reward service."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """Offline preference loss and dataset columns (used when mode = "offline_preference")."""
     sft: SFTSpec = Field(default_factory=SFTSpec)
