@@ -174,6 +174,7 @@ ERROR_RESPONSES: dict[int, dict[str, Any]] = {
     409: {"model": ErrorBody, "description": "Conflict with the run's state or name"},
     413: {"model": ErrorBody, "description": "Request body over api.max_body_bytes"},
     422: {"model": ValidationErrorBody, "description": "Invalid input; each field named"},
+    429: {"model": ErrorBody, "description": "Too many preference builds queued (prefs.max_queued)"},
 }
 """Every error the API answers, with its body model."""
 
@@ -186,9 +187,15 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "healthz": (413,),
     "prometheus": (413,),
     "run_page": (413, 422),
+    "submit_prefs_build": (401, 413, 422, 429),
+    "list_prefs_builds": (401, 413, 422),
+    "get_prefs_build": (401, 404, 413, 422),
 }
 """The errors each route (by name) can answer: 413 from `BodyLimit` on every route, 401 on /v1."""
-V1_ROUTES = frozenset({"submit", "list_runs", "get_run", "get_metrics", "stop"})
+V1_ROUTES = frozenset(
+    {"submit", "list_runs", "get_run", "get_metrics", "stop"}
+    | {"submit_prefs_build", "list_prefs_builds", "get_prefs_build"}
+)
 """The routes under /v1 (JSON answers, bearer token)."""
 
 
@@ -499,8 +506,10 @@ def create_app(
     client = redis or Redis.from_url(config.redis.url, socket_timeout=config.redis.socket_timeout_s)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        if getattr(app.state, "prefs_builds", None) is not None:
+            await app.state.prefs_builds.close()
         if owned:
             await client.aclose()
 
@@ -509,6 +518,10 @@ def create_app(
     roots = Roots.of(config.data_roots, config.model_roots)
     stall_s = config.checks.learner_stall_s
     app.include_router(run_routes(config.api.token, roots, on_submit, on_stop, check, stall_s))
+    if config.prefs.enabled:
+        from rlfabric.coordinator.prefs_api import add_prefs_builds  # it imports this module
+
+        add_prefs_builds(app, config, roots)
     app.include_router(public_routes())
     _error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)

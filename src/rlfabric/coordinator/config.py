@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlfabric.runtime.config import StrictModel
 from rlfabric.runtime.schema import LogConfig, RedisConfig
+from rlfabric.runtime.user_code import allow_entry_kind
 
 
 class ApiConfig(StrictModel):
@@ -51,6 +52,47 @@ class ChecksConfig(StrictModel):
     """Deadline of each call made to check the reward service (CheckScorer on submit, the liveness probe)."""
 
 
+class PrefsBuildsConfig(StrictModel):
+    """Preference-data builds run as jobs (`POST /v1/prefs/builds`: `rlfabric prefs build` in a child
+    process). A submitted pipeline gets exactly the limits a run gets: its paths within `data_roots` /
+    `model_roots`, and only the user code and credentials listed here."""
+
+    enabled: bool = True
+    """Serve the /v1/prefs/builds routes."""
+    store: str = "prefs"
+    """The store every build writes its version into (relative: from the working directory); a pipeline
+    may leave its `store` at the default or name this folder, nothing else. Put it inside `data_roots` so
+    runs may train on its versions."""
+    work_dir: str = ".rlfabric/prefs-builds"
+    """Where each build's folder goes: the pipeline file the coordinator writes, the policy it passes, the
+    build's log and its record (build.json)."""
+    max_concurrent: int = Field(default=1, ge=1, le=64)
+    """Builds running at once; the others wait, queued."""
+    max_queued: int = Field(default=16, ge=1, le=10_000)
+    """Builds queued or running at once; a submission past it gets 429."""
+    timeout_s: float = Field(default=6 * 3600.0, gt=0.0)
+    """A build running longer is stopped and failed."""
+    allowed_functions: list[str] = Field(default_factory=list)
+    """Where a scorer judge's user code (`python_function`'s `function`) may come from, as the reward
+    service's `allowed_functions`: module prefixes, "pkg.mod:attr" functions, directories. Empty (the
+    default): none."""
+    credential_envs: dict[str, str] = Field(default_factory=dict)
+    """Environment variables a pipeline may name (`api_key_env` / `token_env` of a generator, `api_key_env`
+    of an `llm_judge` scorer), each mapped to the endpoint its value may be sent to: an http(s) base URL
+    (the request's `base_url` must be it or below it) or a rollout replica's host:port (exactly), as the
+    reward service's `judge_api_keys`. Empty (the default): none, so a caller cannot send this process's
+    environment to an endpoint of its choosing."""
+    allow_local_generators: bool = False
+    """Allow `kind = "local"` generators (the build starts a rollout replica on this machine)."""
+
+    @field_validator("allowed_functions")
+    @classmethod
+    def _known_entry_kinds(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            allow_entry_kind(entry)
+        return entries
+
+
 class CoordinatorServiceConfig(StrictModel):
     """The coordinator: REST API, prompt source and the generate -> score -> enqueue pipeline."""
 
@@ -65,6 +107,9 @@ class CoordinatorServiceConfig(StrictModel):
     reward_token: str | None = Field(default=None, min_length=1)
     """Bearer token sent on every call to the reward service (its `token`); set it from
     RLFABRIC_COORDINATOR__REWARD_TOKEN. Required at start unless `insecure`."""
+    rollout_token: str | None = Field(default=None, min_length=1)
+    """Bearer token sent on every call to the run's rollout replicas (their `client_token`): generation,
+    evaluation; set it from RLFABRIC_COORDINATOR__ROLLOUT_TOKEN. Required at start unless `insecure`."""
     learner_address: str | None = None
     """host:port of the learner's status API; None when the learner reports through Redis only."""
     learner_token: str | None = Field(default=None, min_length=1)
@@ -84,6 +129,8 @@ class CoordinatorServiceConfig(StrictModel):
     """Checks of runs before they are accepted and while they run."""
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
+    prefs: PrefsBuildsConfig = Field(default_factory=PrefsBuildsConfig)
+    """Preference-data builds submitted as jobs."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve coordinator --insecure`): the tokens above are no longer
     required at start (those set are still used) and a WARNING is logged. For tests and loopback only."""

@@ -28,6 +28,7 @@ from rlfabric.coordinator.api import (
 )
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.manager import RunManager
+from rlfabric.coordinator.prefs_builds import BuildList, BuildRecord
 from rlfabric.coordinator.runs import RunRecord, RunStore
 from rlfabric.runspec import MAX_TOKENS
 
@@ -60,7 +61,7 @@ def client_for(app: Any) -> httpx.AsyncClient:
 
 @pytest.fixture
 async def client(
-    redis_url: str, redis: Redis, hooks: dict[str, list[str]]
+    redis_url: str, redis: Redis, hooks: dict[str, list[str]], tmp_path: Path
 ) -> AsyncIterator[httpx.AsyncClient]:
     async def on_submit(record: RunRecord) -> None:
         hooks["submitted"].append(record.run_id)
@@ -68,9 +69,12 @@ async def client(
     async def on_stop(record: RunRecord) -> None:
         hooks["stopped"].append(record.run_id)
 
-    app = create_app(make_config(redis_url), redis, on_submit=on_submit, on_stop=on_stop)
+    prefs = {"work_dir": str(tmp_path / "builds"), "store": str(tmp_path / "store"), "max_queued": 1}
+    config = make_config(redis_url, prefs=prefs)
+    app = create_app(config, redis, on_submit=on_submit, on_stop=on_stop)
     async with client_for(app) as c:
         yield c
+    await app.state.prefs_builds.close()
 
 
 async def submit(client: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
@@ -535,9 +539,44 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     m.__name__: m
     for m in (ErrorBody, ValidationErrorBody, HealthBody, RunRecord, RunList, RunStatus, MetricsPage)
 }
+BODY_MODELS.update({m.__name__: m for m in (BuildRecord, BuildList)})
 """The document's schema names -> the models that check a response body."""
 
 TOO_LARGE = {"Content-Length": "5000", "Content-Type": "application/json"}
+
+
+PIPELINE = {"name": "probe", "source": {"kind": "file", "path": "examples/prefs/pairs.jsonl"}}
+"""A pipeline without judges: its build only reads, cleans and writes (prefs.max_queued = 1)."""
+
+
+async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, str], list[httpx.Response]]:
+    """The answers of the /v1/prefs routes: the first build is still running when the second comes (429)."""
+    queued = await call("POST", "/v1/prefs/builds", json=PIPELINE)
+    build = f"/v1/prefs/builds/{queued.json()['build_id']}"
+    return {
+        ("post", "/v1/prefs/builds"): [
+            queued,
+            await call("POST", "/v1/prefs/builds", json=PIPELINE),
+            await call("POST", "/v1/prefs/builds", {}, json=PIPELINE),
+            await call("POST", "/v1/prefs/builds", **oversize),
+            await call(
+                "POST", "/v1/prefs/builds", json={**PIPELINE, "source": {"kind": "file", "path": "/etc"}}
+            ),
+        ],
+        ("get", "/v1/prefs/builds"): [
+            await call("GET", "/v1/prefs/builds"),
+            await call("GET", "/v1/prefs/builds", {}),
+            await call("GET", "/v1/prefs/builds", **oversize),
+            await call("GET", "/v1/prefs/builds", params={"limit": 0}),
+        ],
+        ("get", "/v1/prefs/builds/{build_id}"): [
+            await call("GET", build),
+            await call("GET", build, {}),
+            await call("GET", build, **oversize),
+            await call("GET", "/v1/prefs/builds/" + "0" * 16),
+            await call("GET", "/v1/prefs/builds/nope"),
+        ],
+    }
 
 
 async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.Response]]:
@@ -593,6 +632,7 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
             await call("POST", "/v1/runs/done/stop"),
             await call("POST", "/v1/runs/" + "a" * 65 + "/stop"),
         ],
+        **await prefs_probes(call, oversize),
         ("get", "/healthz"): [await call("GET", "/healthz", {}), await call("GET", "/healthz", **oversize)],
         ("get", "/metrics"): [await call("GET", "/metrics", {}), await call("GET", "/metrics", **oversize)],
         ("get", "/runs/{run_id}"): [
