@@ -15,11 +15,13 @@ from pathlib import Path
 
 import redis
 import yaml
+from transformers import AutoConfig
 
 from rlfabric.contracts import keys
 from rlfabric.contracts.keys import Counter
 from rlfabric.contracts.metrics import decode_row
 from rlfabric.learner.checkpoint import latest_complete
+from rlfabric.learner.export import final_model_dir, is_committed
 
 STEPS = 3
 
@@ -61,6 +63,9 @@ def test_dpo_runs_through_up(
     local = [json.loads(line) for line in (run_dir / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in local] == list(range(1, STEPS + 1))
     assert latest_complete(run_dir / "dpo" / "checkpoints") is not None
+    final = final_model_dir(run_dir / "dpo")  # the trained policy as a Hugging Face folder
+    assert is_committed(final)
+    assert AutoConfig.from_pretrained(final).architectures == ["Qwen2ForCausalLM"]
     books = reopen_aof(run_dir)
     streamed = [decode_row(fields) for _, fields in books.xrange(keys.metrics("dpo"))]
     assert [r["step"] for r in streamed] == list(range(1, STEPS + 1)) and "policy_version" in streamed[-1]

@@ -67,7 +67,7 @@ from rlfabric.learner.dist import (
     init_distributed,
     leave_together,
 )
-from rlfabric.learner.export import drop_tied_head
+from rlfabric.learner.export import drop_tied_head, export_final_model, final_model_dir, is_committed
 from rlfabric.learner.kto import KTOExample, KTOTrainer
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
@@ -322,7 +322,16 @@ class OfflineRun(Generic[ItemT]):
         return {}
 
     def finish(self) -> None:
-        """What a subclass does once the run's last checkpoint is written (collective): nothing here."""
+        """Once the run's last checkpoint is written, rank 0 writes the final model from the gathered
+        weights (collective), unless it is there: a Hugging Face folder with the tokenizer, which
+        transformers, vLLM and a later run's `model.path` load as is (`export.final_model_dir`)."""
+        final = final_model_dir(self.paths.run_dir)
+        if self.trainer.step == 0 or is_committed(final):
+            return
+        state_dict = drop_tied_head(self.trainer.model.config, self.trainer.full_state_dict())
+        if self.world.is_main:
+            export_final_model(state_dict, self.spec.model.path, self.paths.run_dir)
+            print(f"rlfabric offline learner final model in {final}", flush=True)
 
     def step(self, pairs: Sequence[ItemT], last: int) -> None:
         """Phases 2-5 of the module docstring on the step's pairs (or other items)."""

@@ -29,7 +29,6 @@ import torch
 
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, init_distributed
-from rlfabric.learner.export import drop_tied_head, export_final_model, final_model_dir, is_committed
 from rlfabric.learner.offline import OfflineRun, run_until_stopped, training_order
 from rlfabric.learner.sft import SFTTrainer
 from rlfabric.learner.sft_data import SFTData, SFTExample, load_sft_data
@@ -57,16 +56,6 @@ class SFTRun(OfflineRun[SFTExample]):
         if self.data.evaluation and (step >= self.last or (every and step % every == 0)):
             metrics.update(self.sft.evaluate(self.data.evaluation))
         return metrics
-
-    def finish(self) -> None:
-        """Rank 0 writes the final model from the gathered weights (collective), unless it is there."""
-        final = final_model_dir(self.paths.run_dir)
-        if self.trainer.step == 0 or is_committed(final):
-            return
-        state_dict = drop_tied_head(self.trainer.model.config, self.trainer.full_state_dict())
-        if self.world.is_main:
-            export_final_model(state_dict, self.spec.model.path, self.paths.run_dir)
-            print(f"rlfabric offline learner final model in {final}", flush=True)
 
 
 def steps_of(spec_steps: int, examples: int, per_step: int) -> int:
