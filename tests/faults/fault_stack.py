@@ -34,6 +34,8 @@ TOKEN = "fault-suite-token"
 CREDENTIALS = {
     "RLFABRIC_COORDINATOR__API__TOKEN": TOKEN,
     "RLFABRIC_COORDINATOR__REWARD_TOKEN": "fault-suite-reward-token",
+    "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN": "fault-suite-rollout-token",
+    "RLFABRIC_ROLLOUT__CLIENT_TOKEN": "fault-suite-rollout-token",
     "RLFABRIC_REWARD__TOKEN": "fault-suite-reward-token",
     "RLFABRIC_ROLLOUT__LEARNER_TOKEN": "fault-suite-publish-token",
     "RLFABRIC_LEARNER__PUBLISH_TOKEN": "fault-suite-publish-token",

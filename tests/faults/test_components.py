@@ -12,7 +12,7 @@ import signal
 from collections.abc import Callable
 
 import pytest
-from fault_stack import HERE, Stack
+from fault_stack import CREDENTIALS, HERE, Stack
 
 from rlfabric.contracts import keys, registry, streams
 from rlfabric.v1 import common_pb2, queue_pb2
@@ -111,7 +111,8 @@ def serving_versions(stack: Stack) -> dict[str, tuple[str, int]]:
 
 
 def generate_once(address: str) -> int:
-    """One Generate call straight to a replica; the policy version its sample carries."""
+    """One Generate call straight to a replica (with its clients' token); the policy version its sample
+    carries."""
     import grpc
 
     from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -122,7 +123,9 @@ def generate_once(address: str) -> int:
         sampling=rollout_pb2.SamplingParams(n=1, max_tokens=4, temperature=1.0, top_p=1.0),
     )
     with grpc.insecure_channel(address) as channel:
-        samples = list(rollout_pb2_grpc.RolloutServiceStub(channel).Generate(request, timeout=30))
+        token = CREDENTIALS["RLFABRIC_ROLLOUT__CLIENT_TOKEN"]
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        samples = list(stub.Generate(request, timeout=30, metadata=(("authorization", f"Bearer {token}"),)))
     return samples[0].policy_version
 
 

@@ -147,6 +147,7 @@ def coordinator(redis_url: str, tmp_path: Path) -> Any:
         **os.environ,
         "RLFABRIC_COORDINATOR__API__TOKEN": "s3cret",
         "RLFABRIC_COORDINATOR__REWARD_TOKEN": "r",
+        "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN": "g",
     }
     proc = ServiceProcess("coordinator", argv, log_path=tmp_path / "coordinator.log", env=env)
     url = proc.start(r"listening on (http://\S+)", timeout_s=60).group(1)

@@ -4,8 +4,9 @@ Every `rlfabric serve NAME` refuses to start without its token (one line naming 
 exit status 2) unless started with `--insecure`, which serves and logs a WARNING. The reward service
 answers Score and ListScorers UNAUTHENTICATED without its token or with a wrong one (health stays open),
 its CLI presents `--token`; the coordinator answers /v1 with 401 without its token; the learner's
-GetStatus requires the learner's token. UpdateWeights without the learner's token is in
-tests/integration/rollout/test_rollout_service.py (the replica's version does not move).
+GetStatus requires the learner's token. A replica needs the learner's token and its clients'; UpdateWeights
+without the learner's token, and Generate or GetInfo without the clients', are refused in
+tests/integration/rollout/test_rollout_service.py.
 """
 
 from __future__ import annotations
@@ -63,12 +64,27 @@ def serve_argv(service: str, tmp_path: Path, model: Path) -> list[str]:
 
 REFUSALS = {
     "reward": ({}, ["RLFABRIC_REWARD__TOKEN"]),
-    "rollout": ({}, ["RLFABRIC_ROLLOUT__LEARNER_TOKEN"]),
+    "rollout": ({}, ["RLFABRIC_ROLLOUT__LEARNER_TOKEN", "RLFABRIC_ROLLOUT__CLIENT_TOKEN"]),
+    "rollout-without-client-token": (
+        {"RLFABRIC_ROLLOUT__LEARNER_TOKEN": TOKEN},
+        ["RLFABRIC_ROLLOUT__CLIENT_TOKEN"],
+    ),
     "learner": ({}, ["RLFABRIC_LEARNER__TOKEN"]),
-    "coordinator": ({}, ["RLFABRIC_COORDINATOR__API__TOKEN", "RLFABRIC_COORDINATOR__REWARD_TOKEN"]),
+    "coordinator": (
+        {},
+        [
+            "RLFABRIC_COORDINATOR__API__TOKEN",
+            "RLFABRIC_COORDINATOR__REWARD_TOKEN",
+            "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN",
+        ],
+    ),
     "coordinator-without-reward-token": (
-        {"RLFABRIC_COORDINATOR__API__TOKEN": TOKEN},
+        {"RLFABRIC_COORDINATOR__API__TOKEN": TOKEN, "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN": TOKEN},
         ["RLFABRIC_COORDINATOR__REWARD_TOKEN"],
+    ),
+    "coordinator-without-rollout-token": (
+        {"RLFABRIC_COORDINATOR__API__TOKEN": TOKEN, "RLFABRIC_COORDINATOR__REWARD_TOKEN": TOKEN},
+        ["RLFABRIC_COORDINATOR__ROLLOUT_TOKEN"],
     ),
 }
 
@@ -187,7 +203,11 @@ def start_coordinator(
 
 
 def test_coordinator_requires_its_token(tmp_path: Path, redis_url: str) -> None:
-    env = clean_env(RLFABRIC_COORDINATOR__API__TOKEN=TOKEN, RLFABRIC_COORDINATOR__REWARD_TOKEN="r")
+    env = clean_env(
+        RLFABRIC_COORDINATOR__API__TOKEN=TOKEN,
+        RLFABRIC_COORDINATOR__REWARD_TOKEN="r",
+        RLFABRIC_COORDINATOR__ROLLOUT_TOKEN="g",
+    )
     proc, url = start_coordinator(tmp_path, redis_url, env)
     try:
         assert httpx.get(f"{url}/v1/runs", timeout=10).status_code == 401

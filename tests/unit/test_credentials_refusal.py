@@ -20,7 +20,9 @@ AGREED = [
     ("coordinator", "api.token", "RLFABRIC_COORDINATOR__API__TOKEN"),
     ("coordinator", "reward_token", "RLFABRIC_COORDINATOR__REWARD_TOKEN"),
     ("coordinator", "learner_token", "RLFABRIC_COORDINATOR__LEARNER_TOKEN"),
+    ("coordinator", "rollout_token", "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN"),
     ("rollout", "learner_token", "RLFABRIC_ROLLOUT__LEARNER_TOKEN"),
+    ("rollout", "client_token", "RLFABRIC_ROLLOUT__CLIENT_TOKEN"),
     ("learner", "publish_token", "RLFABRIC_LEARNER__PUBLISH_TOKEN"),
     ("learner", "token", "RLFABRIC_LEARNER__TOKEN"),
 ]
@@ -66,6 +68,16 @@ def test_each_agreed_variable_sets_its_key(service: str, key: str, variable: str
 @pytest.mark.parametrize("service", sorted(REQUIRED))
 def test_insecure_defaults_off(service: str) -> None:
     assert lookup(configured(service, {}), "insecure") is False
+
+
+def test_the_replica_and_the_coordinator_require_the_replicas_client_token() -> None:
+    from rlfabric.coordinator.main import credentials as coordinator_credentials
+    from rlfabric.rollout.main import credentials as rollout_credentials
+
+    rollout = rollout_credentials(configured("rollout", {}))  # type: ignore[arg-type]
+    assert [c.key for c in rollout] == ["learner_token", "client_token"]
+    coordinator = coordinator_credentials(configured("coordinator", {}))  # type: ignore[arg-type]
+    assert [c.key for c in coordinator] == ["api.token", "reward_token", "rollout_token"]
 
 
 def test_an_empty_token_is_a_config_error_not_no_token() -> None:

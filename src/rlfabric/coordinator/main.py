@@ -15,9 +15,13 @@ log = logging.getLogger(__name__)
 
 
 def credentials(config: CoordinatorServiceConfig) -> list[Credential]:
-    """The tokens the coordinator needs: its API's, the reward service's and, when it calls the learner's
-    status API, the learner's."""
-    needed = [Credential("api.token", config.api.token), Credential("reward_token", config.reward_token)]
+    """The tokens the coordinator needs: its API's, the reward service's, the rollout replicas' and, when it
+    calls the learner's status API, the learner's."""
+    needed = [
+        Credential("api.token", config.api.token),
+        Credential("reward_token", config.reward_token),
+        Credential("rollout_token", config.rollout_token),
+    ]
     if config.learner_address is not None:
         needed.append(Credential("learner_token", config.learner_token))
     return needed

@@ -100,6 +100,7 @@ class RunManager:
             self.config.max_stream_length,
             self.config.scaling,
             reward_token=self.config.reward_token,
+            rollout_token=self.config.rollout_token,
         )
         return await pipeline.run(stop)
 

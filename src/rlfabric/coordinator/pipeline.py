@@ -146,11 +146,14 @@ class RunPipeline:
         scaling: ScalingConfig | None = None,
         *,
         reward_token: str | None = None,
+        rollout_token: str | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
-        self.replicas = ReplicaPool(redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter)
+        self.replicas = ReplicaPool(
+            redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter, token=rollout_token
+        )
         self.producer = GroupProducer(redis, run_id, max_stream_length, poll_s=ENQUEUE_POLL_S)
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.drop_once = redis.register_script(DROP_ONCE)

@@ -28,10 +28,14 @@ REPLICA_BACKOFF_S = 5.0
 
 class ReplicaPool:
     """Serving replicas of the run, refreshed from the registry; client-side least-loaded balancing.
-    Every change of a replica's load goes to the busy meter; `waiting` counts groups that wait for a slot."""
+    Every change of a replica's load goes to the busy meter; `waiting` counts groups that wait for a slot.
+    `token` (the replicas' `client_token`) is sent on every call made through `stub`."""
 
-    def __init__(self, redis: Any, run_id: str, per_replica: int, meter: BusyMeter) -> None:
+    def __init__(
+        self, redis: Any, run_id: str, per_replica: int, meter: BusyMeter, *, token: str | None = None
+    ) -> None:
         self.redis, self.run_id, self.per_replica, self.meter = redis, run_id, per_replica, meter
+        self.token = token
         self.load: dict[str, int] = {}
         """Groups in flight per replica, kept until they finish even after the replica left `live`."""
         self.live: set[str] = set()
@@ -106,7 +110,7 @@ class ReplicaPool:
 
     def stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self.channels:
-            self.channels[address] = make_channel(address)
+            self.channels[address] = make_channel(address, bearer_token=self.token)
         return rollout_pb2_grpc.RolloutServiceStub(self.channels[address])
 
     async def close(self) -> None:

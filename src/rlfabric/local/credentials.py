@@ -9,6 +9,8 @@ local user could read it in the process list.
                                                        coordinator  RLFABRIC_COORDINATOR__REWARD_TOKEN
     weights   the replicas' UpdateWeights              rollout      RLFABRIC_ROLLOUT__LEARNER_TOKEN
                                                        learner      RLFABRIC_LEARNER__PUBLISH_TOKEN
+    rollout   the replicas' Generate and GetInfo       rollout      RLFABRIC_ROLLOUT__CLIENT_TOKEN
+                                                       coordinator  RLFABRIC_COORDINATOR__ROLLOUT_TOKEN
     learner   the learner's GetStatus                  learner      RLFABRIC_LEARNER__TOKEN
                                                        coordinator  RLFABRIC_COORDINATOR__LEARNER_TOKEN
     environment  the environment service (multi-turn)  environment  RLFABRIC_ENVIRONMENT__TOKEN
@@ -16,7 +18,8 @@ local user could read it in the process list.
                                                                     (only in a multi-turn run, with the
                                                                     service's address)
 
-`up --resume` reads the same file, so a resumed run keeps its tokens.
+`up --resume` reads the same file, so a resumed run keeps its tokens; a token the file lacks (it was
+written by a version of `up` before that token existed) is made then and saved into it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FILE_NAME = "credentials.json"
@@ -35,13 +38,19 @@ SERVICE_ENV: dict[str, dict[str, str]] = {
         "RLFABRIC_COORDINATOR__API__TOKEN": "api",
         "RLFABRIC_COORDINATOR__REWARD_TOKEN": "reward",
         "RLFABRIC_COORDINATOR__LEARNER_TOKEN": "learner",
+        "RLFABRIC_COORDINATOR__ROLLOUT_TOKEN": "rollout",
     },
     "reward": {"RLFABRIC_REWARD__TOKEN": "reward"},
-    "rollout": {"RLFABRIC_ROLLOUT__LEARNER_TOKEN": "weights"},
+    "rollout": {"RLFABRIC_ROLLOUT__LEARNER_TOKEN": "weights", "RLFABRIC_ROLLOUT__CLIENT_TOKEN": "rollout"},
     "learner": {"RLFABRIC_LEARNER__PUBLISH_TOKEN": "weights", "RLFABRIC_LEARNER__TOKEN": "learner"},
     "environment": {"RLFABRIC_ENVIRONMENT__TOKEN": "environment"},
 }
 """Per service: environment variable -> the token (a field of `Credentials`) it carries."""
+
+FIRST_TOKENS = ("api", "reward", "weights", "learner")
+"""Tokens every credentials file holds."""
+LATER_TOKENS = ("environment", "rollout")
+"""Tokens added after the first files were written: `load` makes those a file lacks."""
 
 
 def new_token() -> str:
@@ -60,13 +69,13 @@ class Credentials:
     reward: str
     weights: str
     learner: str
-    environment: str = ""
-    """Empty only in a file written before environments existed: `load` then makes one."""
+    environment: str
+    rollout: str
 
     @classmethod
     def generate(cls) -> Credentials:
         """Fresh tokens, 32 random bytes each (URL-safe text)."""
-        return cls(*(new_token() for _ in range(5)))
+        return cls(**{name: new_token() for name in FIRST_TOKENS + LATER_TOKENS})
 
     def env(self, service: str) -> dict[str, str]:
         """The environment variables that hand `service` its tokens (KeyError for an unknown service)."""
@@ -86,14 +95,14 @@ class Credentials:
 
     @classmethod
     def load(cls, run_dir: Path) -> Credentials:
-        """The tokens saved in RUN_DIR; CredentialsError if the file is missing, malformed, or readable
-        or writable by group or others."""
+        """The tokens saved in RUN_DIR, with a fresh one for each of `LATER_TOKENS` the file lacks;
+        CredentialsError if the file is missing, malformed, or readable or writable by group or others."""
         path = run_dir / FILE_NAME
         try:
             mode = path.stat().st_mode
             data = json.loads(path.read_text())
-            credentials = cls(**{name: str(data[name]) for name in ("api", "reward", "weights", "learner")})
-            credentials = replace(credentials, environment=str(data.get("environment") or new_token()))
+            first = {name: str(data[name]) for name in FIRST_TOKENS}
+            credentials = cls(**first, **{name: str(data.get(name) or new_token()) for name in LATER_TOKENS})
         except FileNotFoundError as exc:
             raise CredentialsError(f"{path} does not exist") from exc
         except (ValueError, KeyError, TypeError) as exc:
@@ -106,9 +115,12 @@ class Credentials:
 
 
 def for_run(run_dir: Path, *, resume: bool) -> Credentials:
-    """The run's credentials: those saved in RUN_DIR when resuming, else fresh ones, saved there."""
+    """The run's credentials: those saved in RUN_DIR when resuming (saved back, so that a token the file
+    lacked stays the same at the next resume), else fresh ones, saved there."""
     if resume:
-        return Credentials.load(run_dir)
+        credentials = Credentials.load(run_dir)
+        credentials.save(run_dir)
+        return credentials
     credentials = Credentials.generate()
     credentials.save(run_dir)
     return credentials

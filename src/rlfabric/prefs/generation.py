@@ -159,11 +159,13 @@ class _Retry(GenerationError):
 
 
 class RolloutGenerator(Generator):
-    """Generates through a rollout replica's `Generate` RPC, `batch_size` prompts per call."""
+    """Generates through a rollout replica's `Generate` RPC, `batch_size` prompts per call. The bearer token
+    sent (the replica's `client_token`) is `token` when given (a replica this process started itself),
+    else the value of `spec.token_env`."""
 
-    def __init__(self, spec: RolloutGeneratorSpec) -> None:
+    def __init__(self, spec: RolloutGeneratorSpec, *, token: str | None = None) -> None:
         self.spec = spec
-        self._token = read_credential(spec.token_env, "token_env")
+        self._token = token or read_credential(spec.token_env, "token_env")
         self._channel: grpc.aio.Channel | None = None
         self._info: rollout_pb2.ReplicaInfo | None = None
         self._versions: set[int] = set()

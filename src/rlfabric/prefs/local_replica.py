@@ -2,8 +2,9 @@
 fleet running.
 
 The build launches `rlfabric serve rollout --model MODEL` on loopback under the process guard (nothing it
-started outlives it, even under SIGKILL), with a random learner token so the replica is not insecure, waits
-for it to serve, and then samples through it exactly as `kind = "rollout"` does (`RolloutGenerator`).
+started outlives it, even under SIGKILL), with random learner and client tokens so the replica is not
+insecure, waits for it to serve, and then samples through it exactly as `kind = "rollout"` does
+(`RolloutGenerator`, presenting the client token).
 `close()` stops it. The manifest records the model folder and the policy version it served.
 """
 
@@ -35,6 +36,8 @@ class LocalGenerator(Generator):
         self._inner: RolloutGenerator | None = None
         self._described: dict[str, Any] = {}
         self._logs = Path(tempfile.mkdtemp(prefix="rlfabric-prefs-replica-"))
+        self._client_token = secrets.token_urlsafe(32)
+        """What the replica requires on Generate and GetInfo; only this generator holds it."""
 
     async def generate_each(
         self,
@@ -56,7 +59,7 @@ class LocalGenerator(Generator):
             rollout = RolloutGeneratorSpec(
                 address=address, batch_size=self.spec.batch_size, concurrency=self.spec.concurrency
             )
-            self._inner = RolloutGenerator(rollout)
+            self._inner = RolloutGenerator(rollout, token=self._client_token)
         return self._inner
 
     def _launch(self) -> str:
@@ -72,8 +75,11 @@ class LocalGenerator(Generator):
         ]
         for setting in settings:
             argv += ["--set", setting]
-        token = secrets.token_urlsafe(32)  # nothing updates its weights; not insecure either
-        env = {**vllm_env(compile_=spec.compile), "RLFABRIC_ROLLOUT__LEARNER_TOKEN": token}
+        env = {
+            **vllm_env(compile_=spec.compile),
+            "RLFABRIC_ROLLOUT__LEARNER_TOKEN": secrets.token_urlsafe(32),  # nothing updates its weights
+            "RLFABRIC_ROLLOUT__CLIENT_TOKEN": self._client_token,
+        }
         log = self._logs / "rollout.log"
         proc = ServiceProcess("prefs-rollout", argv, log_path=log, env=env, guarded=True)
         self._proc = proc

@@ -88,6 +88,11 @@ class RolloutServiceConfig(StrictModel):
     """Bearer token required on UpdateWeights (the learner's `publish_token`); set it from
     RLFABRIC_ROLLOUT__LEARNER_TOKEN, not a file. The process refuses to start without it unless
     `insecure`."""
+    client_token: str | None = Field(default=None, min_length=1)
+    """Bearer token required on Generate and GetInfo, every RPC but UpdateWeights (health and reflection
+    stay open): what the coordinator (its `rollout_token`) and other generation clients present; set it
+    from RLFABRIC_ROLLOUT__CLIENT_TOKEN, not a file. It does not authorise UpdateWeights. The process
+    refuses to start without it unless `insecure`."""
     update_timeout_s: float = Field(default=120.0, gt=0)
     """Default limit on a whole weight update."""
     drain_timeout_s: float = Field(default=20.0, ge=0)
@@ -100,6 +105,7 @@ class RolloutServiceConfig(StrictModel):
     environment: EnvironmentConnection | None = None
     """The environment service of multi-turn requests; None refuses them (FAILED_PRECONDITION)."""
     insecure: bool = False
-    """Serve without credentials (`rlfabric serve rollout --insecure`): `learner_token` is no longer
-    required at start (when set it is still enforced) and a WARNING is logged. For tests and loopback
-    only: without a token anyone who reaches the port can replace the weights."""
+    """Serve without credentials (`rlfabric serve rollout --insecure`): `learner_token` and `client_token`
+    are no longer required at start (those set are still enforced) and a WARNING is logged. For tests and
+    loopback only: without the tokens anyone who reaches the port can replace the weights, or generate on
+    the replica's accelerator and read its model's outputs."""

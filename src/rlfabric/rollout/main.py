@@ -158,6 +158,7 @@ async def start_server(parts: Parts) -> None:
         address="",
         model=config.engine.model,
         learner_token=config.learner_token,
+        client_token=config.client_token,
         update_timeout_s=config.update_timeout_s,
         on_serving_change=on_serving_change,
         environment=environment_client(config),
@@ -319,13 +320,19 @@ def check_template_for_environment(config: RolloutServiceConfig) -> None:
     log.info("chat template self-test passed (multi-turn)")
 
 
+def credentials(config: RolloutServiceConfig) -> list[Credential]:
+    """The tokens a replica needs: the learner's (UpdateWeights) and its clients' (Generate, GetInfo)."""
+    return [
+        Credential("learner_token", config.learner_token),
+        Credential("client_token", config.client_token),
+    ]
+
+
 def serve(config: RolloutServiceConfig) -> int:
-    """The replica's entry: refuses to start without the learner's token (unless insecure), or with a
-    chat template a multi-turn environment cannot use, then serves."""
+    """The replica's entry: refuses to start without its tokens (unless insecure), or with a chat template
+    a multi-turn environment cannot use, then serves."""
     setup_logging("rollout", config.log.level, config.log.format)
-    require_credentials(
-        "rollout", [Credential("learner_token", config.learner_token)], insecure=config.insecure
-    )
+    require_credentials("rollout", credentials(config), insecure=config.insecure)
     check_template_for_environment(config)
     setup_tracing("rlfabric-rollout")
     if config.server.metrics_port is not None:

@@ -1,6 +1,7 @@
 """The RolloutService gRPC adapter: proto -> `Replica` / `Engine` calls -> proto (`contracts.wire`).
 
-Authentication of weight updates and the prompt checks live here; the rules about versions,
+Authentication and the prompt checks live here: UpdateWeights takes the learner's token only, every other
+RPC its clients' token (health and reflection are other services and stay open); the rules about versions,
 admission and draining live in `replica.py`, and where weights come from in `weights_source.py`.
 """
 
@@ -23,6 +24,10 @@ from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Generate, UpdateWeights and GetInfo. Each checks its bearer token before reading the request:
+    `learner_token` on UpdateWeights, `client_token` on the others (a client's token does not authorise
+    an update, nor the learner's a generation); a token of None accepts every call."""
+
     def __init__(
         self,
         replica: Replica,
@@ -32,6 +37,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         address: str,
         model: str,
         learner_token: str | None,
+        client_token: str | None = None,
         update_timeout_s: float,
         on_serving_change: Callable[[bool], Awaitable[None]],
         environment: EnvironmentSessions | None = None,
@@ -42,6 +48,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.address = address
         self.model = model
         self.learner_token = learner_token
+        self.client_token = client_token
         self.update_timeout_s = update_timeout_s
         self.on_serving_change = on_serving_change
         self.environment = environment
@@ -50,6 +57,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GeneratedSample]:
+        check_bearer(context, self.client_token)
         if not request.request_id:
             raise InvalidArgument("request_id: required")
         if not self.replica.serving:
@@ -154,6 +162,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def GetInfo(
         self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ReplicaInfo:
+        check_bearer(context, self.client_token)
         return rollout_pb2.ReplicaInfo(
             replica_id=self.replica_id,
             address=self.address,

@@ -59,6 +59,8 @@ class RolloutServiceServicer:
         finishes (not in request order). Cancelling the RPC aborts the request's unfinished samples in the
         engine. Errors: INVALID_ARGUMENT for bad prompts or sampling parameters, RESOURCE_EXHAUSTED when the
         replica is at its admission limit, UNAVAILABLE while the replica holds no published version.
+        Requires the clients' bearer token (the replica's `client_token`) in the `authorization` metadata
+        when the replica is configured with one (UNAUTHENTICATED otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,14 +71,16 @@ class RolloutServiceServicer:
         loads the weights, resets the prefix cache, sets the version, resumes. On any failure the old
         version keeps serving and the RPC fails (FAILED_PRECONDITION for a manifest that does not verify,
         DEADLINE_EXCEEDED on timeout). Requires the learner's bearer token in the `authorization` metadata
-        when the replica is configured with one (UNAUTHENTICATED otherwise).
+        when the replica is configured with one (UNAUTHENTICATED otherwise); the clients' token does not
+        authorise it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """Describes the replica: identity, model, current version and load.
+        """Describes the replica: identity, model, current version and load. Requires the clients' bearer
+        token, as Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

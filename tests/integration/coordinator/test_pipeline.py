@@ -1,9 +1,9 @@
 """The coordinator's pipeline against real processes: a reward service, rollout replicas (reference
 engine, as real `rlfabric serve rollout` processes registered in a real Redis), and a stand-in learner that
-consumes the stream. The reward service requires its token and the pipeline presents it (a pipeline
-without it would score nothing). A replica added mid-run receives work; a replica SIGKILLed mid-run loses
-nothing: its groups are re-dispatched and every drawn prompt ends enqueued once, dropped with a reason, or
-in flight.
+consumes the stream. The reward service and the replicas require their tokens and the pipeline presents
+them (a pipeline without them would score, or generate, nothing). A replica added mid-run receives work;
+a replica SIGKILLed mid-run loses nothing: its groups are re-dispatched and every drawn prompt ends
+enqueued once, dropped with a reason, or in flight.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 RUN = "pipe"
 REWARD_TOKEN = "pipeline-reward-token"
+ROLLOUT_TOKEN = "pipeline-rollout-token"
+ROLLOUT_AUTH = (("authorization", f"Bearer {ROLLOUT_TOKEN}"),)
 G = 4  # groups per step
 
 
@@ -48,13 +50,15 @@ def reward_address(tmp_path: Path) -> Iterator[str]:
 
 
 def start_replica(tmp_path: Path, model: Path, redis_url: str, name: str) -> tuple[ServiceProcess, str]:
-    # the replicas get no UpdateWeights here: their token is beside the point
-    argv = cli(
-        "serve", "rollout", "--model", str(model), "--engine", "transformers", "--port", "0", "--insecure"
-    )
+    argv = cli("serve", "rollout", "--model", str(model), "--engine", "transformers", "--port", "0")
     for setting in (f"run_id={RUN}", f"redis.url={redis_url}", f"replica_id={name}", "heartbeat_s=0.5"):
         argv += ["--set", setting]
-    proc = ServiceProcess(name, argv, log_path=tmp_path / f"{name}.log")
+    env = {
+        **os.environ,
+        "RLFABRIC_ROLLOUT__CLIENT_TOKEN": ROLLOUT_TOKEN,
+        "RLFABRIC_ROLLOUT__LEARNER_TOKEN": "pipeline-learner-token",  # no UpdateWeights here
+    }
+    proc = ServiceProcess(name, argv, log_path=tmp_path / f"{name}.log", env=env)
     address = proc.start(r"listening on (\S+)", timeout_s=120).group(1)
     proc.wait_for(r"serving version", timeout_s=120)
     return proc, address
@@ -91,7 +95,7 @@ async def fake_learner(redis: aioredis.Redis, done: asyncio.Event) -> None:
 async def tokens(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         info = await rollout_pb2_grpc.RolloutServiceStub(channel).GetInfo(
-            rollout_pb2.GetInfoRequest(), timeout=10
+            rollout_pb2.GetInfoRequest(), timeout=10, metadata=ROLLOUT_AUTH
         )
     return int(info.tokens_generated)
 
@@ -118,6 +122,7 @@ async def test_replica_joins_and_a_killed_replica_loses_nothing(
         reward_address,
         max_stream_length=64,
         reward_token=REWARD_TOKEN,
+        rollout_token=ROLLOUT_TOKEN,
     )
 
     async def stop_requested() -> bool:

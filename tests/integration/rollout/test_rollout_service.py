@@ -2,7 +2,7 @@
 
 The same servicer, replica and weight sources run with vLLM in test_rollout_vllm.py; here every rule of
 the contract is checked quickly: lifecycle, streaming, versions, bad input, updates (good, corrupted,
-stale, unauthenticated), cancellation and the Redis registry.
+stale, unauthenticated), the clients' token on every other RPC, cancellation and the Redis registry.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
@@ -26,6 +28,8 @@ from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from rlfabric.weights import versions as store
 
 TOKEN = "learner-secret"
+CLIENT_TOKEN = "client-secret"
+CLIENT_AUTH = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
 
 
 def config_for(model: Path, root: Path, *extra: str) -> RolloutServiceConfig:
@@ -34,7 +38,7 @@ def config_for(model: Path, root: Path, *extra: str) -> RolloutServiceConfig:
         overrides=[
             f"engine.model={model}", "engine.kind=transformers", "engine.max_model_len=128",
             "server.port=0", f"weights_root={root}", f"learner_token={TOKEN}",
-            "max_n=8", "max_tokens=32", "max_in_flight=16", *extra,
+            f"client_token={CLIENT_TOKEN}",            "max_n=8", "max_tokens=32", "max_in_flight=16", *extra,
         ],
     )  # fmt: skip
 
@@ -95,7 +99,7 @@ def request(
 
 
 async def collect(parts: Parts, req: rollout_pb2.GenerateRequest) -> list[rollout_pb2.GeneratedSample]:
-    return [s async for s in stub(parts).Generate(req, timeout=60)]
+    return [s async for s in stub(parts).Generate(req, timeout=60, metadata=CLIENT_AUTH)]
 
 
 def reference_logprobs(
@@ -267,18 +271,74 @@ async def test_stale_and_unauthenticated_updates_are_refused(
     """The attack of issue 17: an unauthenticated update to a far-future version (which would make the
     learner's next real update look older) is refused, and the replica's version does not move."""
     store.publish_version(str(tmp_path / "weights"), 2, state_dict_of(other_model))
-    for metadata in [(), (("authorization", "Bearer nope"),), (("authorization", TOKEN),)]:
+    wrong = [(), (("authorization", "Bearer nope"),), (("authorization", TOKEN),), CLIENT_AUTH]
+    for metadata in wrong:  # the clients' token is not the learner's
         for version in (2, 999_999):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub(replica).UpdateWeights(update(version), metadata=metadata, timeout=30)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert (await stub(replica).GetInfo(rollout_pb2.GetInfoRequest())).policy_version == 0
+    info = await stub(replica).GetInfo(rollout_pb2.GetInfoRequest(), metadata=CLIENT_AUTH)
+    assert info.policy_version == 0
     assert {s.policy_version for s in await collect(replica, request(n=1))} == {0}
     await stub(replica).UpdateWeights(update(2), metadata=AUTH, timeout=60)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub(replica).UpdateWeights(update(1), metadata=AUTH, timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert (await stub(replica).GetInfo(rollout_pb2.GetInfoRequest())).policy_version == 2
+    info = await stub(replica).GetInfo(rollout_pb2.GetInfoRequest(), metadata=CLIENT_AUTH)
+    assert info.policy_version == 2
+
+
+CLIENT_RPCS = [
+    m for m in rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods if m.name != "UpdateWeights"
+]
+"""Every RPC of the service but UpdateWeights: each requires the clients' token."""
+
+
+async def call_empty(channel: grpc.aio.Channel, method: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Calls `method` (a method descriptor) with an empty request and reads the whole answer."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    request_type = message_factory.GetMessageClass(method.input_type)
+    response_type = message_factory.GetMessageClass(method.output_type)
+    kind = channel.unary_stream if method.server_streaming else channel.unary_unary
+    call = kind(
+        path,
+        request_serializer=request_type.SerializeToString,
+        response_deserializer=response_type.FromString,
+    )
+    answer = call(request_type(), metadata=metadata, timeout=30)
+    if method.server_streaming:
+        _ = [item async for item in answer]
+    else:
+        await answer
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [(), (("authorization", "Bearer nope"),), (("authorization", CLIENT_TOKEN),), AUTH],
+    ids=["none", "wrong", "not-bearer", "learner-token"],
+)
+async def test_every_rpc_but_update_weights_requires_the_client_token(
+    replica: Parts, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    """Checked before the request is read: an empty Generate would otherwise be INVALID_ARGUMENT."""
+    assert {m.name for m in CLIENT_RPCS} >= {"Generate", "GetInfo"}
+    async with grpc.aio.insecure_channel(replica.address) as channel:
+        for method in CLIENT_RPCS:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call_empty(channel, method, metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.name
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="rlfabric.v1.RolloutService"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # health stays open
+
+
+async def test_the_client_token_serves_generate_and_get_info(replica: Parts) -> None:
+    async with grpc.aio.insecure_channel(replica.address) as channel:
+        client = rollout_pb2_grpc.RolloutServiceStub(channel)
+        info = await client.GetInfo(rollout_pb2.GetInfoRequest(), metadata=CLIENT_AUTH, timeout=30)
+        samples = [s async for s in client.Generate(request(n=2), metadata=CLIENT_AUTH, timeout=60)]
+    assert info.serving and info.policy_version == 0
+    assert len(samples) == 4 and all(s.token_ids for s in samples)
 
 
 async def test_replica_starts_on_the_latest_committed_version(
@@ -295,7 +355,9 @@ async def test_replica_starts_on_the_latest_committed_version(
 
 
 async def test_cancelled_generate_aborts_engine_work(replica: Parts) -> None:
-    call = stub(replica).Generate(request(n=8, max_tokens=32, request_id="cancel-me", ignore_eos=True))
+    call = stub(replica).Generate(
+        request(n=8, max_tokens=32, request_id="cancel-me", ignore_eos=True), metadata=CLIENT_AUTH
+    )
     first = await call.read()
     assert first is not grpc.aio.EOF
     call.cancel()
