@@ -32,6 +32,7 @@ from common import base_parser, fmt, machine_info, machine_line, markdown_table,
 NAME = "rollout_memory"
 GOAL_MIB_PER_VERSION = 0.1
 TOKEN = "bench-learner-token"
+CLIENT_TOKEN = "bench-client-token"  # the replica's Generate token
 MIB = 1 << 20
 
 
@@ -46,6 +47,7 @@ def vllm_env(scratch: Path) -> dict[str, str]:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_NO_USAGE_STATS": "1",
         "RLFABRIC_ROLLOUT__LEARNER_TOKEN": TOKEN,
+        "RLFABRIC_ROLLOUT__CLIENT_TOKEN": CLIENT_TOKEN,
     }
 
 
@@ -116,7 +118,8 @@ def load_versions(address: str, pid: int, model_dir: Path, root: Path, args: Any
                 prompts=[rollout_pb2.GeneratePrompt(prompt_id="p", prompt=common_pb2.Prompt(text="abc"))],
                 sampling=rollout_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8),
             )
-            got = list(stub.Generate(request, timeout=120))
+            client = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
+            got = list(stub.Generate(request, timeout=120, metadata=client))
             assert {s.policy_version for s in got} == {version}, "the replica did not serve the new version"
             if version % args.every == 0 or version == args.versions:
                 samples.append({"version": version, "memory": tree_memory(pid)})

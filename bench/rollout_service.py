@@ -59,6 +59,8 @@ GOAL = 0.95
 HOST = "127.0.0.1"
 LEARNER_TOKEN = "bench-learner-token"  # the replicas' UpdateWeights token
 AUTH = (("authorization", f"Bearer {LEARNER_TOKEN}"),)
+CLIENT_TOKEN = "bench-client-token"  # the replicas' Generate token
+CLIENT_AUTH = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
 LOG_DIR = Path(tempfile.gettempdir()) / f"rlfabric-bench-rollout-logs-{os.getuid()}"
 
 
@@ -148,7 +150,12 @@ def start_replica(model: Path, load: Load, weights_root: Path, env: dict[str, st
         f"rollout-{model.name}",
         argv,
         log_path=LOG_DIR / f"rollout-{model.name}.log",
-        env={**os.environ, **env, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": LEARNER_TOKEN},
+        env={
+            **os.environ,
+            **env,
+            "RLFABRIC_ROLLOUT__LEARNER_TOKEN": LEARNER_TOKEN,
+            "RLFABRIC_ROLLOUT__CLIENT_TOKEN": CLIENT_TOKEN,
+        },
     )
     address = proc.start(r"listening on (\S+)", timeout_s=600).group(1)
     proc.wait_for(r"serving version", timeout_s=600)
@@ -182,7 +189,7 @@ def sampling_settings(load: Load) -> Any:
 async def run_service(stub: Any, request: Any) -> tuple[int, float]:
     """(tokens generated, seconds) of one streamed Generate."""
     start, tokens = time.perf_counter(), 0
-    async for sample in stub.Generate(request, timeout=600):
+    async for sample in stub.Generate(request, timeout=600, metadata=CLIENT_AUTH):
         tokens += len(sample.token_ids)
     return tokens, time.perf_counter() - start
 
@@ -298,7 +305,7 @@ def probe(stub: Any, version: int) -> None:
         prompts=[rollout_pb2.GeneratePrompt(prompt_id="p", prompt=common_pb2.Prompt(text="hello"))],
         sampling=rollout_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=1),
     )
-    served = {s.policy_version for s in stub.Generate(request, timeout=120)}
+    served = {s.policy_version for s in stub.Generate(request, timeout=120, metadata=CLIENT_AUTH)}
     if served != {version}:
         raise RuntimeError(f"expected version {version}, replica served {served}")
 

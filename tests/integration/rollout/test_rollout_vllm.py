@@ -29,6 +29,8 @@ from rlfabric.weights import versions as store
 pytestmark = pytest.mark.vllm
 TOKEN = "learner-secret"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
+CLIENT_TOKEN = "client-secret"
+CLIENT_AUTH = (("authorization", f"Bearer {CLIENT_TOKEN}"),)
 
 
 def state_dict_of(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -62,7 +64,11 @@ def replica_proc(
             "--set", "log.format=text", "--set", "max_tokens=64",
         ],
         log_path=replica_log,
-        env={**vllm_env, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": TOKEN},
+        env={
+            **vllm_env,
+            "RLFABRIC_ROLLOUT__LEARNER_TOKEN": TOKEN,
+            "RLFABRIC_ROLLOUT__CLIENT_TOKEN": CLIENT_TOKEN,
+        },
     )  # fmt: skip
     address = proc.start(r"listening on (\S+)", timeout_s=300).group(1)
     proc.wait_for(r"serving version", timeout_s=300)
@@ -87,7 +93,7 @@ def generate(stub: rollout_pb2_grpc.RolloutServiceStub, n: int = 2) -> list[roll
         prompts=[rollout_pb2.GeneratePrompt(prompt_id="p", prompt=common_pb2.Prompt(text="hello world"))],
         sampling=rollout_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=12, seed=5),
     )
-    return list(stub.Generate(request, timeout=120))
+    return list(stub.Generate(request, timeout=120, metadata=CLIENT_AUTH))
 
 
 def reference(

@@ -115,6 +115,11 @@ def test_every_service_holds_its_credentials_and_both_ends_agree(tmp_path: Path)
             configs[replica]["learner_token"]
             and configs[replica]["learner_token"] == learner["publish_token"]
         )
+        assert (
+            configs[replica]["client_token"]
+            and coordinator["rollout_token"] == configs[replica]["client_token"]
+        )
+        assert configs[replica]["client_token"] != configs[replica]["learner_token"]
 
 
 def test_redis_is_durable_and_never_evicts() -> None:

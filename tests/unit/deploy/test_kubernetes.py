@@ -149,6 +149,8 @@ def test_rollout_binds_its_pod_ip_and_follows_the_run(overlay: str, tmp_path: Pa
     assert config["engine"]["model"] == spec["model"]["path"]
     assert config["redis"]["url"].startswith("redis://rlfabric-redis:")
     assert config["learner_token"], "UpdateWeights must require the learner token"
+    assert config["client_token"], "Generate must require the clients' token"
+    assert config["client_token"] != config["learner_token"]
     assert config["server"]["grace_period_s"] < c.pod["spec"]["terminationGracePeriodSeconds"]
     # Ready only when serving a published version: the per-service health status, on the gRPC port.
     probes = grpc_probes(c)
@@ -222,7 +224,9 @@ CREDENTIALS = [
     ("Deployment", "rlfabric-coordinator", "coordinator", "api.token", "api-token"),
     ("Deployment", "rlfabric-coordinator", "coordinator", "reward_token", "reward-token"),
     ("Deployment", "rlfabric-coordinator", "coordinator", "learner_token", "learner-status-token"),
+    ("Deployment", "rlfabric-coordinator", "coordinator", "rollout_token", "rollout-token"),
     ("Deployment", "rlfabric-rollout", "rollout", "learner_token", "learner-token"),
+    ("Deployment", "rlfabric-rollout", "rollout", "client_token", "rollout-token"),
     ("Job", "rlfabric-learner", "learner", "publish_token", "learner-token"),
     ("Job", "rlfabric-learner", "learner", "token", "learner-status-token"),
 ]
