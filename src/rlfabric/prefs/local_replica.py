@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,6 +84,7 @@ class LocalGenerator(Generator):
         log = self._logs / "rollout.log"
         proc = ServiceProcess("prefs-rollout", argv, log_path=log, env=env, guarded=True)
         self._proc = proc
+        print(f"prefs: starting a replica of {spec.model} (log: {log})", file=sys.stderr, flush=True)
         proc.launch()
         try:
             address = proc.wait_for(LISTENING, timeout_s=spec.startup_timeout_s).group(1)
