@@ -1,7 +1,7 @@
 """The whole RLHF loop on a laptop, in one command: gold -> preference data -> reward models -> RL against
 them, held-out evaluation by the gold preference, and the over-optimization figure.
 
-    python examples/rlhf/run.py                 # ~15-25 min on two CPU cores; writes runs/rlhf/
+    python examples/rlhf/run.py                 # ~20-25 min on two CPU cores; writes runs/rlhf/
     python examples/rlhf/run.py --quick         # fewer steps, one RL run: a smoke test of every stage
 
 Stages (each a real `rlfabric` command; their logs are under OUT/logs):
@@ -15,7 +15,8 @@ Stages (each a real `rlfabric` command; their logs are under OUT/logs):
               held-out prompts by the gold preference (`dataset.eval.reward`):
                 kl-low       KL coefficient 0.001, one reward model: the over-optimization curve
                 kl-high      KL coefficient 0.05: the KL leash moves the gold peak
-                ensemble     three reward models, mean - 1 std (uncertainty-penalised ensemble)
+                ensemble     three reward models (seeds), mean - 1 std (uncertainty-penalised ensemble)
+                ensemble-disjoint  the same, members trained on disjoint thirds of the data
                 guarded      kl-low with `health.auto_stop = ["overoptimization"]`: stops past the gold
                              peak and reports the last checkpoint at or before it
 5. DPO        `rlfabric up` with `mode = "offline_preference"` on the same version from the same policy;
@@ -48,6 +49,8 @@ class Variant:
     name: str
     kl_coef: float
     ensemble: bool = False
+    disjoint: bool = False
+    """The ensemble's members trained on disjoint thirds of the data (else: the whole of it, other seeds)."""
     guarded: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -56,6 +59,7 @@ VARIANTS = [
     Variant("kl-low", 0.001),
     Variant("kl-high", 0.05),
     Variant("ensemble", 0.001, ensemble=True),
+    Variant("ensemble-disjoint", 0.001, ensemble=True, disjoint=True),
     Variant("guarded", 0.001, guarded=True),
 ]
 
@@ -128,9 +132,12 @@ def data(out: Path, model: Path) -> Path:
     return Path(path)
 
 
-def reward_model(out: Path, model: Path, version: Path, seed: int, steps: int) -> Path:
-    name = f"rm-{seed}"
-    spec = {
+def reward_model(
+    out: Path, model: Path, version: Path, seed: int, steps: int, part: int | None = None
+) -> Path:
+    """Reward model `seed` on the whole version, or (with `part`) on its third `part` only."""
+    name = f"rm-{seed}" if part is None else f"rm-part{part}"
+    spec: dict[str, Any] = {
         "name": name,
         "mode": "reward_model",
         "model": {"path": str(model), "max_model_len": 256},
@@ -144,6 +151,9 @@ def reward_model(out: Path, model: Path, version: Path, seed: int, steps: int) -
         "optim": {"lr": 1e-3},
         "train": {"steps": steps, "groups_per_step": 16, "micro_batch_size": 32, "seed": seed},
     }
+    if part is not None:
+        spec["dataset"]["split"] = f"train[{33 * part}%:{100 if part == 2 else 33 * (part + 1)}%]"
+        spec["dataset"]["epochs"] = 12
     run_dir = out / name
     if not (run_dir / name / "model" / "config.json").exists():
         sh(
@@ -296,27 +306,40 @@ def summarize(variant: Variant, rows: list[dict[str, Any]], end: dict[str, str])
     }
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(results: list[dict[str, Any]], dpo_gold: float, path: Path) -> None:
+    """One column per RL run: proxy and gold held-out reward against KL (top) and against the step
+    (bottom); the gold peak dotted, DPO's held-out gold on the same data dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
-    for ax, res in zip(axes[0], results, strict=True):
+    golds = [p["gold"] for r in results for p in r["points"]] + [dpo_gold]
+    gold_lim = (min(golds) - 0.05, max(golds) + 0.05)
+    fig, axes = plt.subplots(2, len(results), figsize=(3.9 * len(results), 6.2), squeeze=False)
+    for col, res in enumerate(results):
         pts = res["points"]
-        kl = [p["kl"] for p in pts]
-        ax.plot(kl, [p["proxy"] for p in pts], "o-", color="tab:blue", label="proxy (reward model)")
-        ax.set_xlabel("KL to the reference (nats/token)")
-        ax.set_ylabel("proxy reward", color="tab:blue")
-        gold_ax = ax.twinx()
-        gold_ax.plot(kl, [p["gold"] for p in pts], "s-", color="tab:red", label="gold (held-out)")
-        gold_ax.set_ylabel("gold reward", color="tab:red")
-        if res["gold_peak"]:
-            gold_ax.axvline(res["gold_peak"]["kl"], color="tab:red", ls=":", lw=1)
-        ax.set_title(f"{res['variant']} (kl coef {res['kl_coef']})", fontsize=10)
+        for row, x_name in enumerate(("kl", "step")):
+            ax = axes[row][col]
+            xs = [p[x_name] for p in pts]
+            ax.plot(xs, [p["proxy"] for p in pts], "o-", color="tab:blue", ms=4, lw=1, label="proxy (RM)")
+            ax.set_ylabel("proxy reward (held-out)", color="tab:blue")
+            gold = ax.twinx()
+            gold.plot(xs, [p["gold"] for p in pts], "s-", color="tab:red", ms=4, lw=1, label="gold")
+            gold.axhline(dpo_gold, color="tab:green", ls="--", lw=1, label="DPO, same data")
+            gold.set_ylim(*gold_lim)
+            gold.set_ylabel("gold reward (held-out)", color="tab:red")
+            if res["gold_peak"]:
+                ax.axvline(res["gold_peak"][x_name], color="tab:red", ls=":", lw=1)
+            ax.set_xlabel("KL to the reference (nats/token)" if x_name == "kl" else "learner step")
+            if row == 0:
+                stopped = " (stopped by the guard)" if res["end"].get("stop_reason") else ""
+                ax.set_title(f"{res['variant']}: kl coef {res['kl_coef']}{stopped}", fontsize=9)
+            if row == 0 and col == 0:
+                lines = ax.get_lines()[:1] + gold.get_lines()[:2]
+                ax.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="center right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
@@ -328,11 +351,14 @@ def main() -> int:
     model = policy(out)
     version = data(out, model)
     rms = [reward_model(out, model, version, seed, args.rm_steps) for seed in rm_seeds]
-    results = [rl(out, v, model, rms, rl_steps) for v in VARIANTS if v.name in names]
+    chosen = [v for v in VARIANTS if v.name in names]
+    if any(v.disjoint for v in chosen):
+        parts = [reward_model(out, model, version, i, args.rm_steps, part=i) for i in range(3)]
+    results = [rl(out, v, model, parts if v.disjoint else rms, rl_steps) for v in chosen]
     offline = dpo(out, model, version, 12 if args.quick else args.rm_steps)
     summary = {"version": version.name, "runs": results, "dpo": offline}
     (out / "results.json").write_text(json.dumps(summary, indent=2))
-    plot(results, out / "overoptimization.png")
+    plot(results, offline["gold"], out / "overoptimization.png")
     for res in results:
         peak, last = res["gold_peak"], res["final"]
         if peak and last:
