@@ -13,6 +13,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from test_pipeline import (  # the pipeline test's processes and stand-in learner
     REWARD_TOKEN,
+    ROLLOUT_TOKEN,
     RUN,
     assert_books_balance,
     fake_learner,
@@ -73,7 +74,13 @@ async def test_eval_results_come_from_the_eval_set(
     await RunStore(redis).create(run_spec)
     stop, done = asyncio.Event(), asyncio.Event()
     pipeline = RunPipeline(
-        RUN, run_spec, redis, reward_address, max_stream_length=64, reward_token=REWARD_TOKEN
+        RUN,
+        run_spec,
+        redis,
+        reward_address,
+        max_stream_length=64,
+        reward_token=REWARD_TOKEN,
+        rollout_token=ROLLOUT_TOKEN,
     )
 
     async def stop_requested() -> bool:
