@@ -31,8 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlfabric.data import DatasetError, eval_source, training_source
-from rlfabric.learner.sft_data import SFTRowError, checked_messages, in_held_out, read_rows, with_system
+from rlfabric.data import DatasetError
+from rlfabric.learner.sft_data import (
+    SFTRowError,
+    checked_messages,
+    load_tokenizer,
+    train_and_held_out,
+    with_system,
+)
 from rlfabric.rollout.chat_template import Message
 from rlfabric.runspec import RunSpec
 
@@ -154,25 +160,11 @@ class PairEncoder:
         return RewardPair(chosen, rejected, row_margin(self.spec, row, index), pair_id)
 
 
-def load_tokenizer(spec: RunSpec) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(spec.model.path)
-
-
 def load_reward_data(spec: RunSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> RewardModelData:
     """The run's training and held-out pairs (module docstring)."""
     encoder = PairEncoder(tokenizer or load_tokenizer(spec), spec)
     data = RewardModelData(train=[])
-    rows = [(str(i), r) for i, r in enumerate(read_rows(training_source(spec.dataset)))]
-    if spec.dataset.eval.separate:
-        evaluated = [(f"eval-{i}", r) for i, r in enumerate(read_rows(eval_source(spec.dataset)))]
-    else:
-        fraction = spec.dataset.held_out_fraction
-        evaluated = [(i, r) for i, r in rows if in_held_out(i, fraction)]
-        rows = [(i, r) for i, r in rows if not in_held_out(i, fraction)]
-    if spec.dataset.eval.max_prompts:
-        evaluated = evaluated[: spec.dataset.eval.max_prompts]
+    rows, evaluated = train_and_held_out(spec)
     data.train = encode_rows(data, encoder, rows)
     data.evaluation = encode_rows(data, encoder, evaluated)
     if not data.train:

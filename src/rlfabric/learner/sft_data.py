@@ -276,11 +276,9 @@ def load_tokenizer(spec: RunSpec) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(spec.model.path)
 
 
-def load_sft_data(spec: RunSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> SFTData:
-    """The run's training and held-out examples (module docstring); example ids are row indexes (an
-    evaluation set's prefixed `eval-`)."""
-    sft = SFTTokenizer(tokenizer or load_tokenizer(spec), spec)
-    data = SFTData(train=[])
+def train_and_held_out(spec: RunSpec) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The run's (row id, row) pairs to train on and to evaluate: a separate evaluation set (ids prefixed
+    `eval-`, at most `dataset.eval.max_prompts`), else the held-out fraction of the training rows."""
     rows = [(str(i), r) for i, r in enumerate(read_rows(training_source(spec.dataset)))]
     if spec.dataset.eval.separate:
         evaluated = [(f"eval-{i}", r) for i, r in enumerate(read_rows(eval_source(spec.dataset)))]
@@ -290,6 +288,15 @@ def load_sft_data(spec: RunSpec, tokenizer: PreTrainedTokenizerBase | None = Non
         rows = [(i, r) for i, r in rows if not in_held_out(i, fraction)]
     if spec.dataset.eval.max_prompts:
         evaluated = evaluated[: spec.dataset.eval.max_prompts]
+    return rows, evaluated
+
+
+def load_sft_data(spec: RunSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> SFTData:
+    """The run's training and held-out examples (module docstring); example ids are row indexes (an
+    evaluation set's prefixed `eval-`)."""
+    sft = SFTTokenizer(tokenizer or load_tokenizer(spec), spec)
+    data = SFTData(train=[])
+    rows, evaluated = train_and_held_out(spec)
     data.train = add_examples(data, sft, spec, rows)
     data.evaluation = add_examples(data, sft, spec, evaluated)
     if not data.train:
