@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
+from rlfabric.runtime.addresses import check_advertise_address, is_wildcard
 from rlfabric.runtime.config import StrictModel
 from rlfabric.runtime.schema import LogConfig, RedisConfig, ServerConfig
 
@@ -63,6 +64,11 @@ class RolloutServiceConfig(StrictModel):
     """Logging."""
     engine: EngineConfig
     """The engine and model."""
+    advertise_address: str | None = None
+    """host or host:port that clients reach this replica at: what it registers in the Redis registry and
+    reports in GetInfo (without a port, the bound one). Unset, it is `server.host`; set it when the replica
+    binds every interface (0.0.0.0 or ::, where it is required) or sits behind NAT (RLFABRIC_ROLLOUT__
+    ADVERTISE_ADDRESS, e.g. the pod IP)."""
     replica_id: str | None = None
     """Stable id of this replica; defaults to <hostname>-<port>."""
     max_in_flight: int = Field(default=256, ge=1)
@@ -109,3 +115,17 @@ class RolloutServiceConfig(StrictModel):
     are no longer required at start (those set are still enforced) and a WARNING is logged. For tests and
     loopback only: without the tokens anyone who reaches the port can replace the weights, or generate on
     the replica's accelerator and read its model's outputs."""
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        return None if value is None else check_advertise_address(value)
+
+    @model_validator(mode="after")
+    def _announceable(self) -> RolloutServiceConfig:
+        if self.advertise_address is None and is_wildcard(self.server.host):
+            raise ValueError(
+                f"server.host {self.server.host!r} binds every interface, which no client can dial: set "
+                "advertise_address (RLFABRIC_ROLLOUT__ADVERTISE_ADDRESS) to the address clients reach"
+            )
+        return self

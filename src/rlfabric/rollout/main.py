@@ -30,6 +30,7 @@ from rlfabric.rollout.replica import Limits, Replica
 from rlfabric.rollout.server import RolloutServicer
 from rlfabric.rollout.weights_source import WeightsSource
 from rlfabric.runtime import hardware
+from rlfabric.runtime.addresses import announced_address
 from rlfabric.runtime.config import ConfigError
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
@@ -169,9 +170,10 @@ async def start_server(parts: Parts) -> None:
     )
     port_holder["port"] = await parts.server.start()
     await parts.server.set_serving("", False)
-    parts.address = f"{config.server.host}:{port_holder['port']}"
+    parts.address = announced_address(config.server.host, port_holder["port"], config.advertise_address)
     parts.replica_id = config.replica_id or f"{socket.gethostname()}-{port_holder['port']}"
     servicer.replica_id, servicer.address = parts.replica_id, parts.address
+    log.info("bound %s port %d; announced as %s", config.server.host, port_holder["port"], parts.address)
     print(f"rlfabric rollout replica {parts.replica_id} listening on {parts.address}", flush=True)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import ipaddress
 import json
 import math
 import socket
@@ -35,6 +34,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
+
+from rlfabric.runtime.addresses import route_source
 
 if TYPE_CHECKING:
     import torch
@@ -322,11 +323,10 @@ def _handshake_receiver(store: Any, digest: str, rank: int, refusal: str | None)
 
 
 def _local_address(host: str) -> str:
-    """The address gloo binds on this rank: loopback when the group is on loopback, else the default."""
-    try:
-        return "127.0.0.1" if ipaddress.ip_address(host).is_loopback else ""
-    except ValueError:
-        return "127.0.0.1" if host == "localhost" else ""
+    """The address gloo binds on this rank: the one it reaches the rendezvous `host` from (the sender's
+    own when `host` is local), which the other ranks can therefore reach. gloo's default device binds what
+    the machine's hostname resolves to, which another host (a pod, a network namespace) may not reach."""
+    return route_source(host)
 
 
 def _make_backend(
@@ -340,9 +340,7 @@ def _make_backend(
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
-        address = _local_address(host)
-        device = dist.ProcessGroupGloo.create_device(hostname=address) if address else None
-        options._devices = [device or dist.ProcessGroupGloo.create_default_device()]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(host))]
         return dist.ProcessGroupGloo(prefix, rank, world_size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
