@@ -1,6 +1,10 @@
 """The whole loop as real processes for the fault scenarios: redis-server (AOF), the reward service, rollout
-replicas, the learner and the coordinator, each a `rlfabric serve` process on loopback, and a run submitted
-over REST. A scenario breaks one part, lets the run finish, and checks the books with the ledger.
+replicas, the learner and the coordinator, each a `rlfabric serve` process, and a run submitted over REST. A
+scenario breaks one part, lets the run finish, and checks the books with the ledger.
+
+Every service runs on loopback unless a `Place` puts it elsewhere: another address, and a command prefix
+that runs it there (`ip netns exec NS` for a network namespace, see `hosts.py`). Each binds and announces
+its place's address.
 
 Ports that a restarted process must keep (Redis, the reward service) are chosen once; everything else binds
 port 0. Every process is stopped by PID (`ServiceProcess`), its log kept under the scenario's folder.
@@ -14,8 +18,9 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,18 @@ CREDENTIALS = {
     "RLFABRIC_LEARNER__TOKEN": "fault-suite-learner-token",
 }
 HERE = Path(__file__).resolve().parent
+ROLES = ("redis", "reward", "rollout", "learner", "coordinator")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a service runs: the address it binds and announces, and the prefix that runs a command there."""
+
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+
+LOOPBACK = Place()
 
 
 def free_port() -> int:
@@ -94,13 +111,18 @@ class Stack:
         engine: str = "transformers",
         vllm_env: dict[str, str] | None = None,
         reward_address: str | None = None,
+        places: Mapping[str, Place] | None = None,
     ) -> None:
         self.folder, self.spec, self.engine = folder, spec, engine
+        self.places = {role: (places or {}).get(role, LOOPBACK) for role in ROLES}
+        """Where each role (`ROLES`) runs; every replica runs at the "rollout" place."""
         self.env = {**(vllm_env or os.environ), **CREDENTIALS}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
         self.redis_port, self.reward_port = free_port(), free_port()
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.reward_address = reward_address or f"127.0.0.1:{self.reward_port}"
+        self.redis_url = f"redis://{self.places['redis'].address}:{self.redis_port}/0"
+        self.reward_address = reward_address or f"{self.places['reward'].address}:{self.reward_port}"
+        self.replica_binds_every_interface = False
+        """Replicas bind 0.0.0.0 and announce their place's address through `advertise_address`."""
         self.procs: dict[str, ServiceProcess] = {}
         self.url = ""
         self.run_dir = Path(spec.output_dir) / spec.name
@@ -110,7 +132,10 @@ class Stack:
 
     # --- processes --------------------------------------------------------------------------------
 
-    def _proc(self, name: str, argv: list[str], ready: str, timeout_s: float = 180, **kw: Any) -> str:
+    def _proc(
+        self, name: str, role: str, argv: list[str], ready: str, timeout_s: float = 180, **kw: Any
+    ) -> str:
+        argv = [*self.places[role].prefix, *argv]
         proc = ServiceProcess(name, argv, log_path=self.folder / "logs" / f"{name}.log", env=kw.get("env"))
         self.procs[name] = proc
         match = proc.start(ready, timeout_s=timeout_s)
@@ -119,21 +144,32 @@ class Stack:
     def start_redis(self) -> None:
         data = self.folder / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        argv = ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(data)]
+        bind = self.places["redis"].address
+        argv = ["redis-server", "--port", str(self.redis_port), "--bind", bind, "--dir", str(data)]
         argv += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--maxmemory-policy", "noeviction"]
-        self._proc("redis", [*argv, "--save", ""], r"Ready to accept connections()", timeout_s=30)
+        if bind != LOOPBACK.address:  # clients on other hosts: the scenario's private network is the guard
+            argv += ["--protected-mode", "no"]
+        self._proc("redis", "redis", [*argv, "--save", ""], r"Ready to accept connections()", timeout_s=30)
         self.client = redis.Redis.from_url(self.redis_url)
 
     def start_reward(self, *settings: str) -> None:
-        argv = cli("serve", "reward", "--port", str(self.reward_port), "--set", "workers=1")
+        argv = cli(
+            "serve", "reward", "--host", self.places["reward"].address, "--port", str(self.reward_port)
+        )
+        argv += ["--set", "workers=1"]
         for setting in settings:
             argv += ["--set", setting]
-        self._proc("reward", argv, r"listening on (\S+)", timeout_s=60, env=self.env)
+        self._proc("reward", "reward", argv, r"listening on (\S+)", timeout_s=60, env=self.env)
 
     def start_replica(self, name: str, ready: str = r"serving version (\d+)") -> str:
         argv = cli(
             "serve", "rollout", "--model", self.spec.model.path, "--port", "0", "--engine", self.engine
         )
+        address = self.places["rollout"].address
+        if self.replica_binds_every_interface:
+            argv += ["--host", "0.0.0.0", "--set", f"advertise_address={address}"]
+        else:
+            argv += ["--host", address]
         settings = [
             f"run_id={self.spec.name}", f"redis.url={self.redis_url}", f"replica_id={name}",
             f"weights_root={self.run_dir / 'weights'}", "heartbeat_s=0.5", "version_poll_s=0.2",
@@ -141,13 +177,13 @@ class Stack:
         ]  # fmt: skip
         for setting in settings:
             argv += ["--set", setting]
-        return self._proc(name, argv, ready, env=self.env)
+        return self._proc(name, "rollout", argv, ready, env=self.env)
 
     def start_learner(self, failpoints: str = "", name: str = "learner") -> None:
         config = {
             "run_id": self.spec.name,
             "redis": {"url": self.redis_url},
-            "server": {"port": 0},
+            "server": {"host": self.places["learner"].address, "port": 0},
             "log": {"format": "text"},
             "consumer_name": "learner-0",
             "run": json.loads(self.spec.model_dump_json()),
@@ -155,13 +191,18 @@ class Stack:
         path = self.folder / "learner.yaml"
         path.write_text(yaml.safe_dump(config))
         env = {**os.environ, **CREDENTIALS, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
-        self._proc(name, cli("serve", "learner", "--config", str(path)), r"listening on (\S+)", env=env)
+        self._proc(
+            name, "learner", cli("serve", "learner", "--config", str(path)), r"listening on (\S+)", env=env
+        )
 
     def start_coordinator(self) -> None:
-        argv = cli("serve", "coordinator", "--port", "0", "--set", f"redis.url={self.redis_url}")
+        argv = cli("serve", "coordinator", "--host", self.places["coordinator"].address, "--port", "0")
+        argv += ["--set", f"redis.url={self.redis_url}"]
         argv += ["--set", f"reward_address={self.reward_address}"]
         env = {**os.environ, **CREDENTIALS, **self.roots}
-        self.url = self._proc("coordinator", argv, r"listening on (http://\S+)", timeout_s=60, env=env)
+        self.url = self._proc(
+            "coordinator", "coordinator", argv, r"listening on (http://\S+)", timeout_s=60, env=env
+        )
 
     @property
     def roots(self) -> dict[str, str]:

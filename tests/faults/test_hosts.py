@@ -1,0 +1,185 @@
+"""The loop on separate hosts: network namespaces joined by a bridge (`hosts.Network`), no loopback between
+services. Redis and the coordinator run on one host, the reward service, a vLLM replica and the learner on
+one each; every service binds its host's address, and the replica binds 0.0.0.0 and announces its address
+through `advertise_address`. The test process is a host of its own on the bridge.
+
+Proven across hosts: the address the replica registers (the coordinator dispatches to it), the run's REST
+API, Redis, the reward service; a partition (the replica's link down, then up) heals with nothing lost;
+a broadcast of weights from a sender on another host, at the address that sender announces. Weights
+travel through a file path every host shares (one filesystem), as through a shared volume.
+
+Needs root and iproute2: the tests fail, not skip, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from fault_stack import CREDENTIALS, Place, Stack, free_port, run_spec
+from hosts import Host, Network
+from safetensors.torch import load_file
+
+from rlfabric.contracts import keys, wire
+from rlfabric.local.procs import ServiceProcess
+from rlfabric.tools.tiny_model import make_tiny_model
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weights import broadcast
+
+pytestmark = pytest.mark.vllm
+HERE = Path(__file__).resolve().parent
+ROLES = {
+    "redis": "data",
+    "coordinator": "data",
+    "reward": "reward",
+    "rollout": "rollout",
+    "learner": "learner",
+}
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    net = Network()
+    try:
+        for name in ("data", "reward", "rollout", "learner"):
+            net.add_host(name)
+        net.check_reachable(net.hosts[3], net.hosts[0])  # learner -> data crosses the bridge
+        yield net
+    finally:
+        net.close()
+
+
+def host(network: Network, name: str) -> Host:
+    return next(h for h in network.hosts if h.netns.endswith(f"-{name}"))
+
+
+def make_stack(folder: Path, network: Network, model: Path, vllm_env: dict[str, str]) -> Stack:
+    places = {
+        role: Place(host(network, name).address, host(network, name).prefix) for role, name in ROLES.items()
+    }
+    folder.mkdir(parents=True)
+    stack = Stack(folder, run_spec(folder, model), engine="vllm", vllm_env=vllm_env, places=places)
+    stack.replica_binds_every_interface = True
+    return stack
+
+
+@pytest.fixture(scope="module")
+def finished(
+    network: Network, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, vllm_env: dict[str, str]
+) -> Iterator[Stack]:
+    """A run through the whole loop across the hosts, completed; its processes stay up for the tests."""
+    stack = make_stack(tmp_path_factory.mktemp("hosts") / "run", network, tiny_model_dir, vllm_env)
+    try:
+        started = time.monotonic()
+        stack.start()
+        stack.finish()
+        print(f"run across hosts: {time.monotonic() - started:.0f} s")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def replica_address(stack: Stack) -> str:
+    assert stack.client is not None
+    address = stack.client.hget(keys.replica(stack.spec.name, "rollout-0"), "address")
+    assert address, "the replica is not in the registry"
+    return address.decode()
+
+
+def registered(stack: Stack) -> bool:
+    assert stack.client is not None
+    return bool(stack.client.exists(keys.replica(stack.spec.name, "rollout-0")))
+
+
+def test_a_run_across_hosts_completes_and_its_books_balance(finished: Stack, network: Network) -> None:
+    address = replica_address(finished)
+    assert address.startswith(f"{host(network, 'rollout').address}:")  # advertised, not 0.0.0.0
+    assert finished.url.startswith(f"http://{host(network, 'data').address}:")
+    finished.assert_every_step_trained()
+    finished.books()
+
+
+def test_a_broadcast_from_another_host_reaches_the_replica(
+    finished: Stack, network: Network, tmp_path: Path
+) -> None:
+    """The sender runs on the learner's host and announces that host's address; the replica's engine
+    worker joins it from the rollout host (gloo binds the address that routes to the sender)."""
+    model = make_tiny_model(tmp_path / "new", seed=13)
+    sender_host, port = host(network, "learner"), free_port()
+    sender = ServiceProcess(
+        "sender",
+        [
+            *sender_host.prefix,
+            sys.executable,
+            str(HERE / "send_weights.py"),
+            str(model),
+            sender_host.address,
+            str(port),
+        ],
+        log_path=tmp_path / "sender.log",
+    )
+    metas = broadcast.metas_from_state_dict(state_dict_of(model))
+    source = rollout_pb2.BroadcastSource(
+        master_address=sender_host.address, master_port=port, rank=1, world_size=2, backend="gloo",
+        tensors=wire.metas_to_proto(metas), bucket_bytes=1 << 20,
+    )  # fmt: skip
+    with grpc.insecure_channel(replica_address(finished)) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        try:
+            sender.start("sending", timeout_s=60)
+            request = rollout_pb2.UpdateWeightsRequest(version=1000, broadcast=source, timeout_seconds=120)
+            reply = stub.UpdateWeights(
+                request, metadata=bearer("RLFABRIC_LEARNER__PUBLISH_TOKEN"), timeout=150
+            )
+            match = sender.wait_for(r"sent (\{.*\})", timeout_s=60)
+        finally:
+            sender.stop(grace_s=5)
+        info = stub.GetInfo(
+            rollout_pb2.GetInfoRequest(), metadata=bearer("RLFABRIC_ROLLOUT__CLIENT_TOKEN"), timeout=10
+        )
+    assert reply.version == 1000 and re.search(r'"bytes": [1-9]', match.group(1))
+    assert info.policy_version == 1000 and info.serving
+    assert info.address == replica_address(finished)
+
+
+def test_a_partitioned_replica_heals_and_the_books_balance(
+    network: Network, tmp_path: Path, tiny_model_dir: Path, vllm_env: dict[str, str]
+) -> None:
+    """The replica's only link goes down mid-run for longer than its registry entry lives; once it is up
+    again the replica re-registers, the run finishes, and nothing is lost or counted twice."""
+    stack = make_stack(tmp_path / "run", network, tiny_model_dir, vllm_env)
+    rollout = host(network, "rollout")
+    try:
+        stack.start()
+        stack.wait_for_step(2)
+        network.set_link(rollout, up=False)
+        stack.wait(lambda: not registered(stack), 15, "the cut-off replica's registry entry expired")
+        time.sleep(3)
+        step_at_heal = stack.step()
+        network.set_link(rollout, up=True)
+        stack.wait(lambda: registered(stack), 60, "the replica registered again")
+        stack.finish()
+        print(f"partition healed: counters {stack.status()['counters']}")
+        assert step_at_heal < stack.spec.train.steps  # the run was cut off mid-way, not after its end
+        stack.assert_every_step_trained()
+        stack.books()
+    finally:
+        network.set_link(rollout, up=True)
+        stack.stop()
+
+
+def bearer(variable: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {CREDENTIALS[variable]}"),)
+
+
+def state_dict_of(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
