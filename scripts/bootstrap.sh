@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what rlfabric needs on a fresh Debian/Ubuntu machine, idempotently:
 #   - redis-server (Debian package; tests and `rlfabric up` start their own instances on loopback)
-#   - a virtual environment at $RLFABRIC_VENV (default .venv) with `pip install -e .[cpu,dev,bench]`
+#   - a virtual environment at $RLFABRIC_VENV (default .venv) with `pip install -e .[cpu,dev,bench,s3]`
 #     (`bench` is TRL for bench/e2e_trl.py, whose quick mode CI runs: ~1 min more on a fresh install)
 # Sourced by scripts/test.sh, scripts/demo.sh and .ci/run; safe to run again (it re-installs only when
 # pyproject.toml changed).
@@ -9,7 +9,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFABRIC_VENV:-$ROOT/.venv}"
-EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench}"
+EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench,s3}"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
