@@ -115,9 +115,8 @@ class Network:
         try:
             sh(*server.prefix, sys.executable, "-c", listen, server.address, *dialler)
         except NetworkError as error:
-            raise NetworkError(
-                f"{client.netns} cannot reach {server.netns} over the bridge: {error}"
-            ) from None
+            hint = "" if self.forward_rule else " (does iptables' FORWARD chain drop bridged packets?)"
+            raise NetworkError(f"{client.netns} cannot reach {server.netns}{hint}: {error}") from None
 
     def close(self) -> None:
         """Removes the namespaces (their veth pairs go with them), the bridge and the iptables rule."""
