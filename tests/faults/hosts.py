@@ -4,7 +4,7 @@
 the bridge, addressed in a private /24 with no default route: a process started with `host.prefix` sees
 only its loopback and that address, and reaches the other hosts through the bridge. The test process
 itself is a host too: the bridge carries `network.gateway`, so it talks to the services over the bridge
-as any client would. Names carry the test process's PID, so concurrent sessions do not collide.
+as any client would. Names carry the test process's PID, so concurrent test runs do not collide.
 
 Where Docker has set iptables' FORWARD policy to DROP (and bridged packets pass through iptables), an
 ACCEPT rule for the bridge is inserted and removed afterwards. `close` removes everything it created,
