@@ -9,7 +9,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFABRIC_VENV:-$ROOT/.venv}"
-EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench,s3}"
+EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench,s3,wandb}"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
