@@ -1,10 +1,11 @@
 """The coordinator's REST API (FastAPI): submit, list, inspect and stop runs; the run page; health; metrics.
 
 Routes under /v1 need `Authorization: Bearer <token>` when `config.api.token` is set (compared in constant
-time); /healthz, /metrics, /docs and the HTML shell of the run page do not (the page's script sends the
-token it is given, see `page.py`). Bodies over `config.api.max_body_bytes` get 413, whether announced by
-Content-Length or streamed. The app only records runs; the pipeline manager hooks in with `on_submit`
-(awaited after a run is stored) and `on_stop` (awaited after a stop was recorded).
+time); /healthz, /metrics, the API docs (/docs, /redoc, /openapi.json: `api_docs`, no CDN) and the HTML
+shell of the run page do not (the page's script sends the token it is given, see `page.py`). Bodies over
+`config.api.max_body_bytes` get 413, whether announced by Content-Length or streamed. The app only records
+runs; the pipeline manager hooks in with `on_submit` (awaited after a run is stored) and `on_stop` (awaited
+after a stop was recorded).
 
 Inputs are bounded and confined: the run spec's types are strict and its integers bounded (see
 `runspec.SpecModel`); its dataset and model paths must lie in the configured `data_roots` /
@@ -32,6 +33,7 @@ from pydantic import AfterValidator, BaseModel
 from redis.asyncio import Redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rlfabric.coordinator.api_docs import add_docs
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, run_health
 from rlfabric.coordinator.liveness import liveness_warnings
@@ -462,7 +464,10 @@ def public_routes() -> APIRouter:
         "/metrics",
         tags=["ops"],
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}}, **responses("prometheus")},
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **responses("prometheus"),
+        },
     )
     async def prometheus() -> Response:
         """Prometheus exposition."""
@@ -513,7 +518,8 @@ def create_app(
         if owned:
             await client.aclose()
 
-    app = FastAPI(title="rlfabric coordinator", version="1", lifespan=lifespan)
+    app = FastAPI(title="rlfabric coordinator", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    add_docs(app)
     app.state.store = RunStore(client)
     roots = Roots.of(config.data_roots, config.model_roots)
     stall_s = config.checks.learner_stall_s

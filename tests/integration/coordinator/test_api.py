@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from jsonschema import Draft202012Validator
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
@@ -545,6 +546,12 @@ BODY_MODELS.update({m.__name__: m for m in (BuildRecord, BuildList)})
 TOO_LARGE = {"Content-Length": "5000", "Content-Type": "application/json"}
 
 
+async def streamed() -> AsyncIterator[bytes]:
+    """A body over the limit (4096 bytes) without Content-Length: 413 once the route reads past it."""
+    for _ in range(5):
+        yield b" " * 1000
+
+
 PIPELINE = {"name": "probe", "source": {"kind": "file", "path": "examples/prefs/pairs.jsonl"}}
 """A pipeline without judges: its build only reads, cleans and writes (prefs.max_queued = 1)."""
 
@@ -559,6 +566,7 @@ async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, s
             await call("POST", "/v1/prefs/builds", json=PIPELINE),
             await call("POST", "/v1/prefs/builds", {}, json=PIPELINE),
             await call("POST", "/v1/prefs/builds", **oversize),
+            await call("POST", "/v1/prefs/builds", content=streamed()),
             await call(
                 "POST", "/v1/prefs/builds", json={**PIPELINE, "source": {"kind": "file", "path": "/etc"}}
             ),
@@ -598,6 +606,7 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
             await call("POST", "/v1/runs", json={**SPEC, "name": "new"}),
             await call("POST", "/v1/runs", {}, json=SPEC),
             await call("POST", "/v1/runs", **oversize),
+            await call("POST", "/v1/runs", content=streamed()),
             await call("POST", "/v1/runs", json={**SPEC, "name": "live"}),
             await call("POST", "/v1/runs", json={**SPEC, "model": {"path": "/etc"}}),
             await call("POST", "/v1/runs", json={**SPEC, "train": {"steps": True}}),
@@ -643,14 +652,18 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
     }
 
 
-def check_body(answer: httpx.Response, documented: dict[str, Any]) -> None:
-    """The answer's media type is documented for its status, and a JSON body validates as its model."""
+def check_body(answer: httpx.Response, documented: dict[str, Any], components: dict[str, Any]) -> None:
+    """The answer's media type is documented for its status, and a JSON body validates against the
+    document's schema for it and as the model of that name."""
     content = documented.get("content", {})
     media = answer.headers["content-type"].split(";")[0]
     assert media in content, (answer.request.url, answer.status_code, media, list(content))
-    ref = content[media].get("schema", {}).get("$ref")
-    if ref:
-        BODY_MODELS[ref.rsplit("/", 1)[1]].model_validate(answer.json())
+    schema = content[media]["schema"]
+    if media == "application/json":
+        # the document's refs (#/components/...) resolve against this root
+        Draft202012Validator({**schema, "components": components}).validate(answer.json())
+    if "$ref" in schema:
+        BODY_MODELS[schema["$ref"].rsplit("/", 1)[1]].model_validate(answer.json())
 
 
 async def unhealthy() -> httpx.Response:
@@ -671,7 +684,7 @@ async def test_openapi_lists_every_answer_of_every_route(client: httpx.AsyncClie
         seen = {str(r.status_code) for r in responses}
         assert seen == set(documented), (method, path, sorted(seen), sorted(documented))
         for answer in responses:
-            check_body(answer, documented[str(answer.status_code)])
+            check_body(answer, documented[str(answer.status_code)], document["components"])
 
 
 async def test_healthz_names_the_kind_of_error_not_the_address() -> None:
