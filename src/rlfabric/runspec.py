@@ -631,6 +631,34 @@ class HealthSpec(HealthThresholds):
     checkpoint, and the run reports the last checkpoint from before the problem began); [] only warns."""
 
 
+class WandbSpec(SpecModel):
+    """A Weights & Biases run mirroring the learner's (the `wandb` extra: `pip install 'rlfabric[wandb]'`).
+    Its id is the run id, so a restarted learner resumes the same W&B run (steps it already logged are
+    not logged again). The API key and host come from W&B's own settings (`WANDB_API_KEY`, `wandb login`)."""
+
+    project: str = Field(default="rlfabric", min_length=1, max_length=128)
+    """W&B project."""
+    entity: str | None = Field(default=None, min_length=1, max_length=128)
+    """W&B user or team; None: the API key's default entity."""
+    mode: Literal["online", "offline"] = "online"
+    """online: stream to the W&B server; offline: write the run under the run directory's `wandb/`
+    (`wandb sync` uploads it later; `WANDB_DIR` moves it)."""
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=100
+    )
+    """Tags of the W&B run (the run's mode is always added)."""
+
+
+class TrackingSpec(SpecModel):
+    """Experiment trackers the learner's rank 0 mirrors the run to, besides metrics.jsonl and TensorBoard:
+    the spec as config, each step's metrics, curves.png at checkpoints and at the end, and the model and
+    dataset it trains from (`rlfabric.learner.tracking`). A tracker that fails is disabled with a warning;
+    training goes on."""
+
+    wandb: WandbSpec | None = None
+    """Weights & Biases; None: not tracked there."""
+
+
 class RunSpec(SpecModel):
     """A whole run: what to train, on what, with what reward and algorithm."""
 
@@ -669,6 +697,8 @@ class RunSpec(SpecModel):
     """An SFT run `rlfabric up` runs before this online run, which then starts from its model."""
     health: HealthSpec = Field(default_factory=HealthSpec)
     """Run-health warning thresholds and automatic stops."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment trackers (Weights & Biases) the learner mirrors the run to."""
     environment: RunEnvironmentSpec | None = None
     """Multi-turn rollouts: each sample is a trajectory played against this environment (tools, a user
     environment class, or one written for TRL); None is single-turn (one prompt, one completion)."""

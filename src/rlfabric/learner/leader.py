@@ -5,7 +5,8 @@ meet rank 0 only in the collectives of `loop.TrainingLoop`. Rank 0 holds one `Le
 - reads the step's groups (`StepSource`: stale ones dropped, those of rolled-back versions handed back)
   and acknowledges them once a checkpoint covers them;
 - publishes weights (`Publisher`: object store, then the Redis announcement);
-- reports each step (metrics.jsonl, TensorBoard, Prometheus, the run's Redis keys, GetStatus);
+- reports each step (metrics.jsonl, TensorBoard, Prometheus, the run's Redis keys, GetStatus, the
+  experiment trackers of `tracking.py`);
 - plans, records and marks a restart (`restart.py`);
 - serves `LearnerService.GetStatus` and turns SIGTERM into a stop request.
 It reads the trainer's step and policy version and never writes them.
@@ -30,11 +31,13 @@ from rlfabric.contracts.keys import Counter, StopReason
 from rlfabric.contracts.lineage import HandBack, Lineage
 from rlfabric.contracts.metrics import append_row
 from rlfabric.contracts.streams import drop_stale_once
+from rlfabric.data import dataset_version
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World
 from rlfabric.learner.outputs import RunPaths, StepExport, write_metrics
 from rlfabric.learner.queue import AppliedLedger, Delivery, GroupConsumer
 from rlfabric.learner.restart import Restart, mark_restart, plan_restart, record_restart
+from rlfabric.learner.tracking import Trackers
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints
 from rlfabric.runtime.grpc_server import GrpcServer, check_bearer, full_service_name, options_from_config
@@ -189,6 +192,9 @@ class Leader:
         )
         self.publisher = Publisher(paths, self.redis, config.run_id, self.spec.weights.keep_versions)
         self.export = StepExport(paths.run_dir)
+        self.trackers = Trackers.start(
+            self.spec, config.run_id, paths.run_dir, dataset_version(self.spec.dataset.path)
+        )
 
     def _consumer(self, ledger: AppliedLedger) -> GroupConsumer:
         name = self.config.consumer_name or f"learner-{socket.gethostname()}"
@@ -274,7 +280,8 @@ class Leader:
     # -- reporting ----------------------------------------------------------------------------------
 
     async def report(self, metrics: dict[str, float], groups: int, applied: int) -> None:
-        """One row per step: metrics.jsonl, the run's Redis metrics stream, and GetStatus. `applied`
+        """One row per step: metrics.jsonl, the run's Redis metrics stream, GetStatus and the trackers
+        (with the curves after a checkpoint). `applied`
         counts the groups applied in this lineage (a crash rolls it back with the checkpoint it restores)."""
         counters = self.source.counters
         counters.trained += groups
@@ -283,6 +290,9 @@ class Leader:
         row.update(await self.rollout_utilisation())
         write_metrics(self.paths.metrics, row)
         self.export.write(row)
+        self.trackers.step(row)
+        if "checkpoint_step" in metrics:
+            self.trackers.curves(self.trainer.step)
         await append_row(self.redis, self.config.run_id, row)
         await self.redis.set(keys.step(self.config.run_id), self.trainer.step)
         await self.redis.hset(keys.counters(self.config.run_id), Counter.GROUPS_TRAINED, applied)
@@ -342,6 +352,7 @@ class Leader:
         """The run is over: DONE in GetStatus, exports closed, the status server and Redis let go."""
         self.set_state(learner_pb2.LEARNER_STATE_DONE)
         self.export.close()
+        self.trackers.close(self.trainer.step)
         step, version = self.trainer.step, self.trainer.policy_version
         print(f"rlfabric learner done at step {step}, version {version}", flush=True)
         await self.server.stop(1.0)

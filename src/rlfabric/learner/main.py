@@ -14,6 +14,7 @@ import os
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import destroy_distributed, init_distributed
 from rlfabric.learner.loop import TrainingLoop
+from rlfabric.learner.tracking import require_trackers
 from rlfabric.learner.trainer import Trainer
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.logs import setup_logging
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 def serve(config: LearnerServiceConfig) -> int:
     """Run this rank of the learner to the end of the run; returns the exit code."""
+    require_trackers(config.run.tracking)  # a missing tracker package fails before any model loads
     if config.run.mode in ("offline_preference", "sft", "reward_model"):
         from rlfabric.learner.offline import serve_offline
 

@@ -19,7 +19,8 @@ when the coordinator asks, and says when the data ran out.
       3. persist  every `train.checkpoint_every` steps and at the end: checkpoint with the cursor
       4. publish  gather the full weights, write version v to the object store (always the object store:
                   there are no replicas to broadcast to)
-      5. report   a row in <output_dir>/<run_id>/metrics.jsonl with the step's pair ids
+      5. report   a row in <output_dir>/<run_id>/metrics.jsonl with the step's pair ids, mirrored to the
+                  experiment trackers (`tracking.py`; curves.png too after a checkpoint and at the end)
 
 A crash after step s resumes from the last checkpoint c <= s and retrains steps c+1..s on the same pairs
 from the same model: each pair is applied exactly once in the surviving lineage (metrics.jsonl keeps the
@@ -72,6 +73,7 @@ from rlfabric.learner.kto import KTOExample, KTOTrainer
 from rlfabric.learner.outputs import RunPaths, write_metrics
 from rlfabric.learner.preference import PreferencePair, PreferenceTrainer
 from rlfabric.learner.preference_data import PreferenceRowError, kto_label, kto_reads_pairs
+from rlfabric.learner.tracking import Trackers
 from rlfabric.learner.trainer_base import ItemT, TrainerBase
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime.logs import setup_logging
@@ -260,6 +262,11 @@ class OfflineRun(Generic[ItemT]):
         self.dataset_version = dataset_version(self.spec.dataset.path)
         """The dataset version trained on (verified when the rows were read), recorded in every metrics
         row and checkpoint; None when `dataset.path` is not a preference dataset version."""
+        self.trackers = (
+            Trackers.start(self.spec, config.run_id, self.paths.run_dir, self.dataset_version)
+            if world.is_main
+            else Trackers([], self.paths.run_dir)
+        )
 
     def run(self, order: Sequence[ItemT]) -> int:
         """Train until the step budget or the data runs out (or SIGTERM); returns the final step."""
@@ -271,6 +278,7 @@ class OfflineRun(Generic[ItemT]):
         if self.trainer.step > 0 and self.checkpoint_step != self.trainer.step:
             self.persist()
         self.finish()
+        self.trackers.close(self.trainer.step)
         if self.world.is_main:
             step, version = self.trainer.step, self.trainer.policy_version
             print(f"rlfabric offline learner done at step {step}, version {version}", flush=True)
@@ -370,7 +378,8 @@ class OfflineRun(Generic[ItemT]):
         return time.perf_counter() - start
 
     def report(self, metrics: dict[str, float], pairs: Sequence[ItemT]) -> None:
-        """Rank 0: one metrics.jsonl row for the step."""
+        """Rank 0: one metrics.jsonl row for the step, mirrored to the trackers (and the curves after a
+        checkpoint)."""
         if not self.world.is_main:
             return
         row: dict[str, Any] = {
@@ -383,6 +392,9 @@ class OfflineRun(Generic[ItemT]):
         if self.dataset_version is not None:
             row[DATASET_VERSION_KEY] = self.dataset_version
         write_metrics(self.paths.metrics, row)
+        self.trackers.step(row)
+        if "checkpoint_seconds" in metrics:
+            self.trackers.curves(self.trainer.step)
         if self.reports is not None:
             self.reports.step(row)
 
