@@ -217,6 +217,12 @@ def run_serve(args: argparse.Namespace) -> int:
             **{key: getattr(args, key) for _, key, _ in entry.flags},
             "insecure": args.insecure,
         },
+        flags={
+            entry.host_key: "--host",
+            entry.port_key: "--port",
+            **{key: flag for flag, key, _ in entry.flags},
+            "insecure": "--insecure",
+        },
     )
     if args.print_config:
         print(config.model_dump_json(indent=2))

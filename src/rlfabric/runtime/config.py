@@ -11,7 +11,8 @@ configuration is built in layers, each overriding the one before:
 
 Values from layers 3 and 4 are parsed as YAML scalars/flow values ("3" -> 3, "true" -> True,
 "[1, 2]" -> list), then validated by the model like everything else. Unknown keys are errors, so a typo
-fails at start with the field named instead of being silently ignored.
+fails at start with the field named instead of being silently ignored. An error names where each bad value
+came from (`Origins`): the file, the environment variable, the `--set` key or the flag.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import ErrorDetails
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -115,14 +117,61 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), parse_value(raw)
 
 
-def env_overrides(prefix: str, environ: Mapping[str, str]) -> list[tuple[str, Any]]:
-    """Overrides from variables named PREFIX + "A__B" (case-insensitive keys), sorted for determinism."""
+def env_overrides(prefix: str, environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """Overrides from variables named PREFIX + "A__B" (case-insensitive keys), sorted for determinism:
+    (dotted key, parsed value, the variable's name)."""
     found = []
     for name in sorted(environ):
         if name.upper().startswith(prefix.upper()) and len(name) > len(prefix):
             dotted = name[len(prefix) :].lower().replace("__", ".")
-            found.append((dotted, parse_value(environ[name])))
+            found.append((dotted, parse_value(environ[name]), name))
     return found
+
+
+Key = tuple[str, ...]
+
+
+class Origins:
+    """Which layer set each key of a configuration being built, so that an error names the file,
+    environment variable, `--set` key or flag that gave the bad value."""
+
+    def __init__(self, fallback: str = "defaults") -> None:
+        self.fallback = fallback
+        """The source of a value no layer set (the model's default)."""
+        self.by_key: dict[Key, str] = {}
+
+    def set(self, dotted: str, source: str) -> None:
+        """`source` set `dotted`, replacing whatever an earlier layer set at or under it."""
+        key = tuple(k for k in dotted.split(".") if k)
+        self.by_key = {k: s for k, s in self.by_key.items() if k[: len(key)] != key}
+        self.by_key[key] = source
+
+    def set_leaves(self, data: Mapping[str, Any], source: str, under: Key = ()) -> None:
+        """`source` (a file) set every leaf of `data`, its tables walked."""
+        for name, value in data.items():
+            key = (*under, str(name))
+            if isinstance(value, Mapping) and value:
+                self.set_leaves(value, source, key)
+            else:
+                self.by_key[key] = source
+
+    def of(self, loc: tuple[str | int, ...]) -> list[str]:
+        """The sources of the value at pydantic's `loc`: the layer that set it or a table above it; else
+        those that set values under it (a rule across fields); else the fallback."""
+        path = tuple(str(p) for p in loc)
+        above = [k for k in self.by_key if _leads_to(k, path)]
+        if above:
+            return [self.by_key[max(above, key=len)]]
+        below = dict.fromkeys(s for k, s in self.by_key.items() if k[: len(path)] == path)
+        return list(below) or [self.fallback]
+
+
+def _leads_to(key: Key, path: Key) -> bool:
+    """`key` is `path` or a table above it; `path` may hold extra steps between (a tagged union's tag)."""
+    if not key or not path or key[0] != path[0]:
+        return False
+    rest = iter(path[1:])
+    return all(step in rest for step in key[1:])
 
 
 def load_config(
@@ -133,41 +182,61 @@ def load_config(
     env_prefix: str | None = None,
     environ: Mapping[str, str] | None = None,
     explicit: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> M:
     """Builds `model` from the layers described in the module docstring.
 
     `explicit` maps dotted paths to values from dedicated flags (e.g. {"server.port": 7001}); entries
-    whose value is None are ignored, so unset flags do not override anything.
+    whose value is None are ignored, so unset flags do not override anything. `flags` names the flag of
+    each explicit key (e.g. {"server.port": "--port"}) for errors.
     """
     data: dict[str, Any] = read_file(path) if path else {}
-    source = str(path) if path else "defaults"
+    origins = Origins()
+    origins.set_leaves(data, str(path))
     if env_prefix:
-        for dotted, value in env_overrides(env_prefix, environ if environ is not None else {}):
+        for dotted, value, name in env_overrides(env_prefix, environ if environ is not None else {}):
             set_path(data, dotted, value)
+            origins.set(dotted, f"environment variable {name}")
     for item in overrides:
-        set_path(data, *parse_override(item))
+        dotted, value = parse_override(item)
+        set_path(data, dotted, value)
+        origins.set(dotted, f"--set {dotted}")
     for dotted, value in (explicit or {}).items():
         if value is not None:
             set_path(data, dotted, value)
-    return validate(model, data, source)
+            origins.set(dotted, (flags or {}).get(dotted, f"the flag for {dotted}"))
+    return validate(model, data, str(path) if path else "defaults", origins)
 
 
-def validate(model: type[M], data: dict[str, Any], source: str) -> M:
-    """Validates `data`, turning pydantic's error into a ConfigError that names every bad field."""
+def validate(model: type[M], data: dict[str, Any], source: str, origins: Origins | None = None) -> M:
+    """Validates `data`, turning pydantic's error into a ConfigError that names every bad field and where
+    its value came from: by `origins` when the data was built in layers, else all from `source`."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"invalid configuration ({source}):\n{format_errors(e)}") from None
+        raise ConfigError(invalid_message(e, source, origins or Origins(source))) from None
 
 
-def format_errors(error: ValidationError) -> str:
-    lines = []
-    for err in error.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        shown = err["type"] != "missing" and not isinstance(err["input"], dict)
-        got = f" (got {err['input']!r})" if shown else ""
-        lines.append(f"  {where}: {err['msg']}{got}")
-    return "\n".join(lines)
+def invalid_message(error: ValidationError, source: str, origins: Origins) -> str:
+    """The error's text: a header naming the sources of the bad values, then a line per bad field, which
+    names its own sources when there are several. A missing field has none: the header then names
+    `source`."""
+    rows = [
+        (_describe(err), [] if err["type"] == "missing" else origins.of(err["loc"])) for err in error.errors()
+    ]
+    named = list(dict.fromkeys(s for _, sources in rows for s in sources)) or [source]
+    tagged = len(named) > 1
+    lines = [
+        f"  {line} [{', '.join(sources)}]" if tagged and sources else f"  {line}" for line, sources in rows
+    ]
+    return f"invalid configuration ({', '.join(named)}):\n" + "\n".join(lines)
+
+
+def _describe(err: ErrorDetails) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    shown = err["type"] != "missing" and not isinstance(err["input"], dict)
+    got = f" (got {err['input']!r})" if shown else ""
+    return f"{where}: {err['msg']}{got}"
 
 
 def describe_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
