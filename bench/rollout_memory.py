@@ -56,6 +56,7 @@ def start_replica(model_dir: Path, weights_root: Path, scratch: Path) -> tuple[A
 
     command = [
         sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(model_dir), "--port", "0",
+        "--set", "server.metrics_port=0",
         "--set", "engine.enforce_eager=true", "--set", "engine.kv_cache_bytes=268435456",
         "--set", "engine.max_model_len=256", "--set", f"weights_root={weights_root}",
         "--set", "log.format=text", "--set", "max_tokens=64",

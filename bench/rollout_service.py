@@ -141,6 +141,7 @@ def start_replica(model: Path, load: Load, weights_root: Path, env: dict[str, st
 
     argv = [
         sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(model), "--port", "0",
+        "--set", "server.metrics_port=0",
         "--set", f"engine.enforce_eager={str(load.eager).lower()}", "--set", "engine.dtype=float32",
         "--set", f"engine.kv_cache_bytes={load.kv_cache_bytes}",
         "--set", f"engine.max_model_len={load.max_model_len}",

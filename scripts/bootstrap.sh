@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what rlfabric needs on a fresh Debian/Ubuntu machine, idempotently:
 #   - redis-server (Debian package; tests and `rlfabric up` start their own instances on loopback)
+#   - promtool (Debian package prometheus; the metrics lint test checks every service's /metrics with it)
 #   - a virtual environment at $RLFABRIC_VENV (default .venv) with `pip install -e .[cpu,dev,bench,s3]`
 #     (`bench` is TRL for bench/e2e_trl.py, whose quick mode CI runs: ~1 min more on a fresh install)
 # Sourced by scripts/test.sh, scripts/demo.sh and .ci/run; safe to run again (it re-installs only when
@@ -19,6 +20,14 @@ if ! command -v redis-server >/dev/null 2>&1; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
   # The Debian package starts a system instance; rlfabric starts its own, so stop it if it runs.
   as_root systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "bootstrap: installing promtool (Debian package prometheus)" >&2
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # Only promtool is wanted: stop the server the package may have started.
+  as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 
 stamp="$VENV/.rlfabric-installed"

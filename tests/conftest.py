@@ -17,6 +17,11 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 # checks (engine log-probs against a transformers forward, gradients) are written for float32, and an AMX
 # CPU would otherwise pick bfloat16. The detection itself is tested in tests/unit/test_hardware.py.
 os.environ["RLFABRIC_AUTO_DTYPE"] = "float32"
+# Every gRPC service serves /metrics on a fixed default port (`runtime.schema.METRICS_PORTS`); the tests
+# start many services on this machine at once, so each process they start picks a free one instead (a
+# test that passes its own `server.metrics_port` overrides this).
+for _service in ("rollout", "reward", "learner", "environment"):
+    os.environ.setdefault(f"RLFABRIC_{_service.upper()}__SERVER__METRICS_PORT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -158,8 +158,8 @@ _BACKLOG = Gauge(
     ["run_id"],
 )
 _BUSY = Gauge(
-    "rlfabric_coordinator_replica_busy_fraction",
-    "Mean share of the recent window the run's serving replicas had work in flight",
+    "rlfabric_coordinator_replica_busy_ratio",
+    "Mean share (0-1) of the recent window the run's serving replicas had work in flight",
     ["run_id"],
 )
 _DESIRED = Gauge(

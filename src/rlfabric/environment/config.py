@@ -6,14 +6,22 @@ from pydantic import Field, field_validator
 
 from rlfabric.environment.spec import EnvironmentSpec, ToolEnvironmentSpec
 from rlfabric.runtime.config import StrictModel
-from rlfabric.runtime.schema import LogConfig, SandboxConfig, ServerConfig
+from rlfabric.runtime.schema import METRICS_OFF, METRICS_PORTS, LogConfig, SandboxConfig, ServerConfig
 from rlfabric.runtime.user_code import allow_entry_kind
+
+
+class EnvironmentServerConfig(ServerConfig):
+    """The environment service's server: /metrics on by default, on a port of its own."""
+
+    metrics_port: int = Field(default=METRICS_PORTS["environment"], ge=METRICS_OFF, le=65535)
+    """Port of the Prometheus /metrics endpoint, bound on `host` (default 9104); 0 picks a free port
+    (printed at start), -1 turns it off."""
 
 
 class EnvironmentServiceConfig(StrictModel):
     """The environment service: sessions of one environment over gRPC."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50054))
+    server: EnvironmentServerConfig = Field(default_factory=lambda: EnvironmentServerConfig(port=50054))
     """gRPC server."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""

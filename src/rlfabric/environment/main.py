@@ -13,7 +13,7 @@ from rlfabric.environment.sessions import SessionLimits, SessionTable
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.runtime.logs import setup_logging
-from rlfabric.runtime.metrics import start_metrics_server
+from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.runtime.user_code import FunctionAllowlist
 from rlfabric.v1 import environment_pb2, environment_pb2_grpc
@@ -58,9 +58,7 @@ def serve(config: EnvironmentServiceConfig) -> int:
     setup_logging("environment", config.log.level, config.log.format)
     require_credentials("environment", [Credential("token", config.token)], insecure=config.insecure)
     table = session_table(config)
-    if config.server.metrics_port is not None:
-        port = start_metrics_server(config.server.host, config.server.metrics_port)
-        print(f"rlfabric environment metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    serve_metrics("environment", config.server)
     setup_tracing("rlfabric-environment")
     asyncio.run(run(config, table))
     return 0

@@ -6,13 +6,21 @@ from pydantic import Field
 
 from rlfabric.runspec import RunSpec
 from rlfabric.runtime.config import StrictModel
-from rlfabric.runtime.schema import LogConfig, RedisConfig, ServerConfig
+from rlfabric.runtime.schema import METRICS_OFF, METRICS_PORTS, LogConfig, RedisConfig, ServerConfig
+
+
+class LearnerServerConfig(ServerConfig):
+    """The learner service's server: /metrics on by default, on a port of its own."""
+
+    metrics_port: int = Field(default=METRICS_PORTS["learner"], ge=METRICS_OFF, le=65535)
+    """Port of the Prometheus /metrics endpoint, bound on `host` (default 9103); 0 picks a free port
+    (printed at start), -1 turns it off."""
 
 
 class LearnerServiceConfig(StrictModel):
     """The learner: trains on scored groups from the run's stream and publishes weights."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50053))
+    server: LearnerServerConfig = Field(default_factory=lambda: LearnerServerConfig(port=50053))
     """gRPC server of rank 0 (LearnerService.GetStatus)."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""

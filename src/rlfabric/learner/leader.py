@@ -191,7 +191,7 @@ class Leader:
             self._consumer(ledger), self.redis, config.run_id, self.spec.rollout.max_staleness
         )
         self.publisher = Publisher(paths, self.redis, config.run_id, self.spec.weights.keep_versions)
-        self.export = StepExport(paths.run_dir)
+        self.export = StepExport(paths.run_dir, config.run_id)
         self.trackers = Trackers.start(
             self.spec, config.run_id, paths.run_dir, dataset_version(self.spec.dataset.path)
         )

@@ -18,7 +18,7 @@ from rlfabric.learner.tracking import require_trackers
 from rlfabric.learner.trainer import Trainer
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.logs import setup_logging
-from rlfabric.runtime.metrics import start_metrics_server
+from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,8 @@ def serve(config: LearnerServiceConfig) -> int:
     require_credentials("learner", [Credential("token", config.token)], insecure=config.insecure)
     setup_tracing("rlfabric-learner")
     world = init_distributed()
-    if world.is_main and config.server.metrics_port is not None:
-        port = start_metrics_server(config.server.host, config.server.metrics_port)
-        print(f"rlfabric learner metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    if world.is_main:
+        serve_metrics("learner", config.server)
     try:
         trainer = Trainer(config.run, config.run.model.path, device=world.device, world=world)
         asyncio.run(TrainingLoop(config, world, trainer).run())

@@ -15,11 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Gauge
-
 from rlfabric.learner.config import LearnerServiceConfig
-
-_STEP_METRIC = Gauge("rlfabric_learner_step_metric", "Latest value of each learner step metric", ["name"])
+from rlfabric.learner.gauges import export_row
 
 
 @dataclass
@@ -52,20 +49,20 @@ def write_metrics(path: Path, row: dict[str, Any]) -> None:
 
 class StepExport:
     """Rank 0's per-step exports besides metrics.jsonl: TensorBoard event files under the run directory
-    and Prometheus gauges (one per metric name, labelled, plus step and version)."""
+    (every number of the row) and the Prometheus gauges (`rlfabric.learner.gauges`)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, run_id: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.gauge = _STEP_METRIC
+        self.run_id = run_id
 
     def write(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
         for name, value in row.items():
             if isinstance(value, int | float) and name not in ("step", "time"):
                 self.writer.add_scalar(name, value, step)
-                self.gauge.labels(name).set(value)
+        export_row(self.run_id, row)
         self.writer.flush()
 
     def close(self) -> None:

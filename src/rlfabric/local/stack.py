@@ -28,6 +28,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ANY_METRICS_PORT = ("--set", "server.metrics_port=0")
+"""Several services of a kind share this host: each serves /metrics on a free port (printed at start),
+not its kind's default."""
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlfabric.cli", *args]
 
@@ -217,7 +222,7 @@ def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> Service
     from rlfabric.reward.check import allowed_functions, run_rewards
 
     allowed = allowed_functions(run_rewards(spec), args.run_file)
-    argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1")
+    argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1", *ANY_METRICS_PORT)
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")
 
@@ -231,7 +236,7 @@ def environment_process(stack: Stack, args: argparse.Namespace, spec: Any) -> Se
         return None
     port = environment_port(stack)
     config = {
-        "server": {"port": port},
+        "server": {"port": port, "metrics_port": 0},
         "environment": env.service.model_dump(mode="json"),
         "allowed_functions": env.allowed_functions(args.run_file),
         "step_timeout_s": env.step_timeout_s,
@@ -315,7 +320,7 @@ def replica_process(
     compile_ = args.compile if compile_ is None else compile_
     name = f"rollout-{i}{suffix}"
     weights = str(Path(spec.output_dir) / spec.name / "weights")
-    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", str(free_port()))
+    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", str(free_port()), *ANY_METRICS_PORT)
     argv += ["--engine", args.engine]
     settings = [
         f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id={name}",
@@ -340,7 +345,7 @@ def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url
     config = {
         "run_id": spec.name,
         "redis": {"url": redis_url},
-        "server": {"port": free_port()},
+        "server": {"port": free_port(), "metrics_port": 0},
         "log": {"format": "text"},
         "run": json.loads(spec.model_dump_json()),
         "report_to_redis": spec.mode != "online",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.local.procs import ServiceProcess
-from rlfabric.local.stack import cli, vllm_env
+from rlfabric.local.stack import ANY_METRICS_PORT, cli, vllm_env
 from rlfabric.prefs.generation import Generator, GeneratorUnusable, Outcome, RolloutGenerator
 from rlfabric.prefs.generator_specs import LocalGeneratorSpec, RolloutGeneratorSpec
 from rlfabric.prefs.types import Prompt
@@ -66,7 +66,7 @@ class LocalGenerator(Generator):
     def _launch(self) -> str:
         """Starts the replica and waits until it serves; its address."""
         spec = self.spec
-        argv = cli("serve", "rollout", "--model", spec.model, "--port", "0")
+        argv = cli("serve", "rollout", "--model", spec.model, "--port", "0", *ANY_METRICS_PORT)
         settings = [
             f"engine.max_model_len={spec.max_model_len}",
             f"max_tokens={spec.max_tokens}",

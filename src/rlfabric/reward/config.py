@@ -10,14 +10,22 @@ import os
 from pydantic import Field, field_validator
 
 from rlfabric.runtime.config import StrictModel
-from rlfabric.runtime.schema import LogConfig, SandboxConfig, ServerConfig
+from rlfabric.runtime.schema import METRICS_OFF, METRICS_PORTS, LogConfig, SandboxConfig, ServerConfig
 from rlfabric.runtime.user_code import allow_entry_kind
+
+
+class RewardServerConfig(ServerConfig):
+    """The reward service's server: /metrics on by default, on a port of its own."""
+
+    metrics_port: int = Field(default=METRICS_PORTS["reward"], ge=METRICS_OFF, le=65535)
+    """Port of the Prometheus /metrics endpoint, bound on `host` (default 9102); 0 picks a free port
+    (printed at start), -1 turns it off."""
 
 
 class RewardServiceConfig(StrictModel):
     """The reward service: a batch scorer over gRPC."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50052))
+    server: RewardServerConfig = Field(default_factory=lambda: RewardServerConfig(port=50052))
     """gRPC server."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""

@@ -14,7 +14,7 @@ from rlfabric.reward.service import RewardEngine
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.runtime.logs import setup_logging
-from rlfabric.runtime.metrics import start_metrics_server
+from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
@@ -68,9 +68,7 @@ def serve(config: RewardServiceConfig) -> int:
         from rlfabric.reward.supervisor import supervise
 
         return supervise(config)
-    if config.server.metrics_port is not None:
-        port = start_metrics_server(config.server.host, config.server.metrics_port)
-        print(f"rlfabric reward metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    serve_metrics("reward", config.server)
     serve_one(config)
     return 0
 

@@ -12,7 +12,7 @@ limit. The supervisor here lifts it the way a web server's pre-fork model does:
 3. watch: a child that dies is replaced (a crash loop, more than `MAX_RESTARTS` in a minute, stops the
    service); SIGTERM or SIGINT stops every child gracefully, then the supervisor exits.
 
-With `server.metrics_port` set, the children write their metrics to a shared directory
+Unless `server.metrics_port` is -1 (off), the children write their metrics to a shared directory
 (prometheus_client's multiprocess mode) and the supervisor serves the sum on that port.
 """
 
@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 from rlfabric.reward.config import RewardServiceConfig
+from rlfabric.runtime.schema import METRICS_OFF
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def supervise(config: RewardServiceConfig) -> int:
 def child_config(config: RewardServiceConfig, port: int) -> RewardServiceConfig:
     """One child's config: the reserved port, one process, its share of the workers, no metrics port of
     its own (the supervisor serves the children's metrics)."""
-    server = config.server.model_copy(update={"port": port, "metrics_port": None})
+    server = config.server.model_copy(update={"port": port, "metrics_port": METRICS_OFF})
     workers = math.ceil(config.workers / config.processes)
     return config.model_copy(update={"server": server, "processes": 1, "workers": workers})
 
@@ -87,14 +88,13 @@ def reserved_port(host: str, port: int) -> Iterator[int]:
 def _share_metrics(config: RewardServiceConfig) -> str | None:
     """With a metrics port: a directory for the children's metrics, exported to them through the
     environment, and the supervisor's /metrics server summing it. Returns the directory."""
-    if config.server.metrics_port is None:
+    if config.server.metrics_port == METRICS_OFF:
         return None
-    from rlfabric.runtime.metrics import start_metrics_server
+    from rlfabric.runtime.metrics import serve_metrics
 
     directory = tempfile.mkdtemp(prefix="rlfabric-reward-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # spawned children inherit it
-    port = start_metrics_server(config.server.host, config.server.metrics_port)
-    print(f"rlfabric reward metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    serve_metrics("reward", config.server)
     return directory
 
 

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rlfabric.runtime.addresses import check_advertise_address, is_wildcard
 from rlfabric.runtime.config import StrictModel
-from rlfabric.runtime.schema import LogConfig, RedisConfig, ServerConfig
+from rlfabric.runtime.schema import METRICS_OFF, METRICS_PORTS, LogConfig, RedisConfig, ServerConfig
 
 
 class EngineConfig(StrictModel):
@@ -55,10 +55,18 @@ class EnvironmentConnection(StrictModel):
     environment answers TIMEOUT (a trajectory status) rather than the call failing."""
 
 
+class RolloutServerConfig(ServerConfig):
+    """The rollout service's server: /metrics on by default, on a port of its own."""
+
+    metrics_port: int = Field(default=METRICS_PORTS["rollout"], ge=METRICS_OFF, le=65535)
+    """Port of the Prometheus /metrics endpoint, bound on `host` (default 9101); 0 picks a free port
+    (printed at start), -1 turns it off."""
+
+
 class RolloutServiceConfig(StrictModel):
     """A rollout replica: one engine behind the RolloutService gRPC API."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(port=50051))
+    server: RolloutServerConfig = Field(default_factory=lambda: RolloutServerConfig(port=50051))
     """gRPC server."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""

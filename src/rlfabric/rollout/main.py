@@ -35,7 +35,7 @@ from rlfabric.runtime.config import ConfigError
 from rlfabric.runtime.credentials import Credential, require_credentials
 from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_from_config
 from rlfabric.runtime.logs import setup_logging
-from rlfabric.runtime.metrics import start_metrics_server
+from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -50,8 +50,8 @@ _VERSION = Gauge("rlfabric_rollout_policy_version", "Policy version serving now 
 _IN_FLIGHT = Gauge("rlfabric_rollout_in_flight_prompts", "Admitted prompts not yet finished")
 _RUNNING = Gauge("rlfabric_rollout_engine_running", "Sequences the engine is generating")
 _WAITING = Gauge("rlfabric_rollout_engine_waiting", "Sequences waiting in the engine")
-_KV = Gauge("rlfabric_rollout_kv_cache_usage", "Fraction of the KV cache in use")
-_BUSY = Gauge("rlfabric_rollout_busy_fraction", "Fraction of time since start with work in the engine")
+_KV = Gauge("rlfabric_rollout_kv_cache_usage_ratio", "Share (0-1) of the KV cache in use")
+_BUSY = Gauge("rlfabric_rollout_busy_ratio", "Share (0-1) of the time since start with work in the engine")
 _TOKENS = Counter("rlfabric_rollout_generated_tokens_total", "Completion tokens generated")
 _LOAD = Gauge("rlfabric_rollout_last_weight_load_seconds", "Duration of the last weight load")
 
@@ -337,8 +337,6 @@ def serve(config: RolloutServiceConfig) -> int:
     require_credentials("rollout", credentials(config), insecure=config.insecure)
     check_template_for_environment(config)
     setup_tracing("rlfabric-rollout")
-    if config.server.metrics_port is not None:
-        port = start_metrics_server(config.server.host, config.server.metrics_port)
-        print(f"rlfabric rollout metrics on http://{config.server.host}:{port}/metrics", flush=True)
+    serve_metrics("rollout", config.server)
     asyncio.run(run(config))
     return 0

@@ -12,6 +12,15 @@ if TYPE_CHECKING:
     from rlfabric.runtime.sandbox import SandboxLimits
 
 
+METRICS_OFF = -1
+"""`server.metrics_port` value that turns a service's /metrics endpoint off."""
+
+METRICS_PORTS = {"rollout": 9101, "reward": 9102, "learner": 9103, "environment": 9104}
+"""Default /metrics port of each gRPC service (the coordinator serves /metrics on its API port). Distinct,
+so that one of each can run on a host with its defaults; several of one kind on a host need their own
+ports (0 picks a free one, as `rlfabric up` and the tests do)."""
+
+
 class TlsConfig(StrictModel):
     """TLS for a gRPC server. Setting `client_ca_file` turns on mutual TLS (clients must present a
     certificate signed by that CA)."""
@@ -43,8 +52,9 @@ class ServerConfig(StrictModel):
     """A connection whose ping is not answered within this is closed."""
     tls: TlsConfig | None = None
     """TLS material; plaintext when unset (fine on loopback, not across machines)."""
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the Prometheus /metrics endpoint; unset disables it, 0 picks a free port."""
+    metrics_port: int = Field(default=METRICS_OFF, ge=METRICS_OFF, le=65535)
+    """Port of the Prometheus /metrics endpoint, bound on `host`; 0 picks a free port (printed at start),
+    -1 (`METRICS_OFF`) turns it off. Each service's server section sets its own default (METRICS_PORTS)."""
 
 
 class SandboxConfig(StrictModel):
