@@ -112,11 +112,15 @@ class Stack:
         vllm_env: dict[str, str] | None = None,
         reward_address: str | None = None,
         places: Mapping[str, Place] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.folder, self.spec, self.engine = folder, spec, engine
         self.places = {role: (places or {}).get(role, LOOPBACK) for role in ROLES}
         """Where each role (`ROLES`) runs; every replica runs at the "rollout" place."""
-        self.env = {**(vllm_env or os.environ), **CREDENTIALS}
+        self.service_env = {**CREDENTIALS, **(env or {})}
+        """What every service gets besides its inherited environment: the credentials, and `env` (an
+        object store's endpoint and keys)."""
+        self.env = {**(vllm_env or os.environ), **self.service_env}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
         self.redis_port, self.reward_port = free_port(), free_port()
         self.redis_url = f"redis://{self.places['redis'].address}:{self.redis_port}/0"
@@ -126,6 +130,8 @@ class Stack:
         self.procs: dict[str, ServiceProcess] = {}
         self.url = ""
         self.run_dir = Path(spec.output_dir) / spec.name
+        self.weights_root = spec.weights.url or str(self.run_dir / "weights")
+        """Where the learner publishes versions and the replicas load them (a folder or an fsspec URL)."""
         self.client: redis.Redis | None = None
         self.appendfsync = "everysec"
         """Redis's AOF fsync policy: "always" makes a SIGKILLed Redis lose nothing it acknowledged."""
@@ -172,7 +178,7 @@ class Stack:
             argv += ["--host", address]
         settings = [
             f"run_id={self.spec.name}", f"redis.url={self.redis_url}", f"replica_id={name}",
-            f"weights_root={self.run_dir / 'weights'}", "heartbeat_s=0.5", "version_poll_s=0.2",
+            f"weights_root={self.weights_root}", "heartbeat_s=0.5", "version_poll_s=0.2",
             "engine.max_model_len=256", "engine.kv_cache_bytes=134217728", "engine.enforce_eager=true",
         ]  # fmt: skip
         for setting in settings:
@@ -190,7 +196,7 @@ class Stack:
         }
         path = self.folder / "learner.yaml"
         path.write_text(yaml.safe_dump(config))
-        env = {**os.environ, **CREDENTIALS, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
+        env = {**os.environ, **self.service_env, "OMP_NUM_THREADS": "1", "RLFABRIC_FAILPOINTS": failpoints}
         self._proc(
             name, "learner", cli("serve", "learner", "--config", str(path)), r"listening on (\S+)", env=env
         )
@@ -199,7 +205,7 @@ class Stack:
         argv = cli("serve", "coordinator", "--host", self.places["coordinator"].address, "--port", "0")
         argv += ["--set", f"redis.url={self.redis_url}"]
         argv += ["--set", f"reward_address={self.reward_address}"]
-        env = {**os.environ, **CREDENTIALS, **self.roots}
+        env = {**os.environ, **self.service_env, **self.roots}
         self.url = self._proc(
             "coordinator", "coordinator", argv, r"listening on (http://\S+)", timeout_s=60, env=env
         )
@@ -292,8 +298,8 @@ class Stack:
     def books(self) -> ledger.Ledger:
         """The ledger check of this run (raises LedgerViolation when the books do not balance)."""
         assert self.client is not None
-        weights = str(self.run_dir / "weights")
-        return ledger.check(self.client, self.spec.name, self.run_dir / "checkpoints", weights_root=weights)
+        checkpoints = self.run_dir / "checkpoints"
+        return ledger.check(self.client, self.spec.name, checkpoints, weights_root=self.weights_root)
 
     def assert_every_step_trained(self) -> None:
         """Each of the run's steps, in the newest checkpoint's lineage, trained between one group and

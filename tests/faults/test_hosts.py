@@ -5,8 +5,10 @@ through `advertise_address`. The test process is a host of its own on the bridge
 
 Proven across hosts: the address the replica registers (the coordinator dispatches to it), the run's REST
 API, Redis, the reward service; a partition (the replica's link down, then up) heals with nothing lost;
-a broadcast of weights from a sender on another host, at the address that sender announces. Weights
-travel through a file path every host shares (one filesystem), as through a shared volume.
+a broadcast of weights from a sender on another host, at the address that sender announces; published
+weights in an S3-compatible object store (moto's server) on a fifth host, which the learner writes and the
+replica reads over the bridge. Elsewhere weights travel through a file path every host shares (one
+filesystem), as through a shared volume.
 
 Needs root and iproute2: the tests fail, not skip, where namespaces cannot be made.
 """
@@ -15,19 +17,24 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import s3fs
 import torch
-from fault_stack import CREDENTIALS, Place, Stack, free_port, run_spec
+from fault_stack import CREDENTIALS, RUN, Place, Stack, free_port, run_spec
 from hosts import Host, Network
 from safetensors.torch import load_file
 
 from rlfabric.contracts import keys, wire
 from rlfabric.local.procs import ServiceProcess
+from rlfabric.tools import ledger
 from rlfabric.tools.tiny_model import make_tiny_model
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weights import broadcast
@@ -41,13 +48,15 @@ ROLES = {
     "rollout": "rollout",
     "learner": "learner",
 }
+BUCKET = "rlfabric-weights"
+S3_PORT = 9000
 
 
 @pytest.fixture(scope="module")
 def network() -> Iterator[Network]:
     net = Network()
     try:
-        for name in ("data", "reward", "rollout", "learner"):
+        for name in ("data", "reward", "rollout", "learner", "store"):
             net.add_host(name)
         net.check_reachable(net.hosts[3], net.hosts[0])  # learner -> data crosses the bridge
         yield net
@@ -59,12 +68,20 @@ def host(network: Network, name: str) -> Host:
     return next(h for h in network.hosts if h.netns.endswith(f"-{name}"))
 
 
-def make_stack(folder: Path, network: Network, model: Path, vllm_env: dict[str, str]) -> Stack:
+def make_stack(
+    folder: Path,
+    network: Network,
+    model: Path,
+    vllm_env: dict[str, str],
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Stack:
     places = {
         role: Place(host(network, name).address, host(network, name).prefix) for role, name in ROLES.items()
     }
     folder.mkdir(parents=True)
-    stack = Stack(folder, run_spec(folder, model), engine="vllm", vllm_env=vllm_env, places=places)
+    spec = run_spec(folder, model, **overrides)
+    stack = Stack(folder, spec, engine="vllm", vllm_env=vllm_env, places=places, env=env)
     stack.replica_binds_every_interface = True
     return stack
 
@@ -172,6 +189,102 @@ def test_a_partitioned_replica_heals_and_the_books_balance(
     finally:
         network.set_link(rollout, up=True)
         stack.stop()
+
+
+@pytest.fixture
+def object_store(
+    network: Network, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
+    """moto's S3-compatible server on the store host with an empty bucket (made as an operator would); yields
+    the variables that point fsspec/s3fs and botocore at it, as deploy/k8s/base/endpoints.env does for
+    MinIO. The test process gets them too: it reads the bucket as one more client on the bridge."""
+    store = host(network, "store")
+    endpoint = f"http://{store.address}:{S3_PORT}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "rlfabric-test", "AWS_SECRET_ACCESS_KEY": "rlfabric-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL_S3": endpoint,
+    }  # fmt: skip
+    moto = str(Path(sys.executable).with_name("moto_server"))
+    argv = [*store.prefix, moto, "-H", store.address, "-p", str(S3_PORT)]
+    server = ServiceProcess("s3", argv, log_path=tmp_path / "s3.log")
+    try:
+        server.start(r"Running on (http://\S+)", timeout_s=60)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        bucket_client().mkdir(BUCKET)
+        yield env
+    finally:
+        server.stop(grace_s=5)
+
+
+def bucket_client() -> s3fs.S3FileSystem:
+    """A client of the object store, configured by the environment alone (as the services are)."""
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+def test_weights_through_an_object_store_on_another_host(
+    network: Network,
+    object_store: dict[str, str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    vllm_env: dict[str, str],
+) -> None:
+    """The run's weights URL is s3:// on the store host: the learner publishes every version there, the
+    replica (on its own host) loads each from there, the run completes over REST and its books balance
+    with the published versions read from the bucket. Nothing is published on the local filesystem."""
+    url = f"s3://{BUCKET}/{RUN}/weights"
+    stack = make_stack(
+        tmp_path / "run", network, tiny_model_dir, vllm_env, env=object_store, weights={"url": url}
+    )
+    try:
+        started = time.monotonic()
+        stack.start()
+        with served_versions(stack) as served:
+            stack.finish()
+            stack.wait(lambda: stack.spec.train.steps in served, 30, "the replica serves the last version")
+        print(f"run with an object store across hosts: {time.monotonic() - started:.0f} s")
+        stack.assert_every_step_trained()
+        stack.books()
+        books = ledger.read_books(stack.client, RUN, stack.run_dir / "checkpoints", weights_root=url)
+    finally:
+        stack.stop()
+    in_bucket = committed_versions(url)
+    assert in_bucket and in_bucket <= books.published  # the ledger read the bucket
+    assert max(in_bucket) == max(books.metric_versions) == stack.spec.train.steps
+    assert set(books.metric_versions) <= served, served  # every published version, loaded from the bucket
+    assert not (stack.run_dir / "weights").exists()
+    assert not list(tmp_path.rglob("COMMITTED"))
+
+
+def committed_versions(url: str) -> set[int]:
+    """The versions whose COMMITTED marker is in the bucket, listed straight from the server."""
+    markers = bucket_client().glob(f"{url}/v*/COMMITTED")
+    return {int(marker.split("/")[-2].removeprefix("v")) for marker in markers}
+
+
+@contextmanager
+def served_versions(stack: Stack, every_s: float = 0.1) -> Iterator[set[int]]:
+    """The versions the replica is seen serving (its GetInfo, polled) while the block runs. A version
+    serves for at least a learner step (seconds), far longer than the poll's interval."""
+    seen: set[int] = set()
+    done = threading.Event()
+    metadata = bearer("RLFABRIC_ROLLOUT__CLIENT_TOKEN")
+
+    def watch(stub: rollout_pb2_grpc.RolloutServiceStub) -> None:
+        while not done.wait(every_s):
+            info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata, timeout=10)
+            if info.serving:
+                seen.add(info.policy_version)
+
+    with grpc.insecure_channel(replica_address(stack)) as channel:
+        watcher = threading.Thread(target=watch, args=(rollout_pb2_grpc.RolloutServiceStub(channel),))
+        watcher.start()
+        try:
+            yield seen
+        finally:
+            done.set()
+            watcher.join()
 
 
 def bearer(variable: str) -> tuple[tuple[str, str]]:
