@@ -32,6 +32,10 @@ _SPECS: dict[str, tuple[str, str]] = {
     "samples": ("rlfabric_learner_step_samples", "Samples trained on in the last step"),
     "step_seconds": ("rlfabric_learner_step_duration_seconds", "Wall time of the last step"),
     "tokens_per_s": ("rlfabric_learner_tokens_per_second", "Trained tokens per second in the last step"),
+    "publish_seconds": (
+        "rlfabric_learner_weight_publish_duration_seconds",
+        "Wall time of the last weight publish (gather the full weights, write or broadcast them)",
+    ),
     "staleness_mean": (
         "rlfabric_learner_staleness_mean_versions",
         "Mean policy lag of the groups trained on in the last step, versions",
