@@ -332,21 +332,37 @@ async def test_stop_cancels_what_is_still_running_after_the_grace_period(running
     assert running.server.in_flight == 0
 
 
-async def test_server_span_continues_the_callers_trace(running: Running) -> None:
+async def test_rpc_spans_follow_the_semantic_conventions(running: Running) -> None:
+    """caller -> CLIENT span -> SERVER span, one trace, named "{rpc.service}/{rpc.method}"; a stream's
+    CLIENT span ends with the stream, carrying its status code."""
     exporter = InMemorySpanExporter()
     telemetry.setup_tracing("test", exporter=exporter)
+    tick = running.channel.unary_stream(f"/{TICKER}/Tick")  # type: ignore[call-arg]
     try:
         with telemetry.span("caller") as caller:
             await running.stub.ListScorers(reward_pb2.ListScorersRequest())
+            with pytest.raises(grpc.aio.AioRpcError):
+                _ = [m async for m in tick(b"fail")]
+        await until(lambda: len(exporter.get_finished_spans()) == 5)
     finally:
         telemetry.shutdown_tracing()
-    server_span = next(s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER)
-    assert server_span.name == f"/{REWARD}/ListScorers"
-    assert server_span.context.trace_id == caller.get_span_context().trace_id
-    assert server_span.parent is not None
-    assert server_span.parent.span_id == caller.get_span_context().span_id
-    assert server_span.attributes is not None
-    assert server_span.attributes["rpc.grpc.status_code"] == 0
+    spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
+    client = spans[(f"{REWARD}/ListScorers", SpanKind.CLIENT)]
+    server = spans[(f"{REWARD}/ListScorers", SpanKind.SERVER)]
+    assert client.parent is not None and client.parent.span_id == caller.get_span_context().span_id
+    assert server.parent is not None and server.parent.span_id == client.context.span_id
+    assert server.context.trace_id == caller.get_span_context().trace_id
+    rpc = {"rpc.system": "grpc", "rpc.service": REWARD, "rpc.method": "ListScorers"}
+    assert dict(server.attributes or {}) == {**rpc, "rpc.grpc.status_code": 0}
+    host, port = running.target.split(":")
+    assert dict(client.attributes or {}) == {
+        **rpc, "rpc.grpc.status_code": 0, "server.address": host, "server.port": int(port)
+    }  # fmt: skip
+    internal = grpc.StatusCode.INTERNAL.value[0]
+    for kind in (SpanKind.CLIENT, SpanKind.SERVER):
+        failed = spans[(f"{TICKER}/Tick", kind)]
+        assert (failed.attributes or {})["rpc.grpc.status_code"] == internal
+        assert (failed.attributes or {})["rpc.method"] == "Tick"
 
 
 async def test_metrics_endpoint_exposes_rpc_counters(running: Running) -> None:

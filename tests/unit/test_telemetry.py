@@ -181,3 +181,69 @@ def test_a_step_span_links_the_groups_it_consumed(exporter: InMemorySpanExporter
     finished = {s.name: s for s in exporter.get_finished_spans()}
     linked = {link.context.span_id for link in finished["learner.step"].links}
     assert linked == {finished["group-a"].context.span_id, finished["group-b"].context.span_id}
+
+
+@pytest.mark.parametrize(
+    ("traces", "general", "expected"),
+    [
+        (None, None, "OTLPSpanExporter@grpc"),
+        (None, "grpc", "OTLPSpanExporter@grpc"),
+        (None, "http/protobuf", "OTLPSpanExporter@http"),
+        ("http/protobuf", "grpc", "OTLPSpanExporter@http"),  # the signal's own variable wins
+        ("GRPC", "http/protobuf", "OTLPSpanExporter@grpc"),
+    ],
+)
+def test_the_otlp_protocol_picks_the_exporter(
+    monkeypatch: pytest.MonkeyPatch, traces: str | None, general: str | None, expected: str
+) -> None:
+    for variable, value in zip(telemetry.PROTOCOL_ENVS, (traces, general), strict=True):
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+    exporter = telemetry._exporter_named("otlp")
+    try:
+        transport = "http" if ".proto.http." in type(exporter).__module__ else "grpc"
+        assert f"{type(exporter).__name__}@{transport}" == expected
+    finally:
+        exporter.shutdown()
+
+
+@pytest.mark.parametrize("variable", telemetry.PROTOCOL_ENVS)
+def test_an_unknown_otlp_protocol_is_a_config_error_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    for other in telemetry.PROTOCOL_ENVS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(variable, "http/json")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    with pytest.raises(ValueError, match=f"{variable}='http/json'"):
+        telemetry.setup_tracing("unit-test")
+    assert not telemetry.tracing_enabled()
+
+
+def test_semantic_convention_names_and_attributes() -> None:
+    assert telemetry.rpc_span("/rlfabric.v1.RolloutService/Generate") == (
+        "rlfabric.v1.RolloutService/Generate",
+        {"rpc.system": "grpc", "rpc.service": "rlfabric.v1.RolloutService", "rpc.method": "Generate"},
+    )
+    assert telemetry.server_attributes("10.0.0.7:50051") == {
+        "server.address": "10.0.0.7",
+        "server.port": 50051,
+    }
+    assert telemetry.server_attributes("[::1]:9") == {"server.address": "::1", "server.port": 9}
+    assert telemetry.server_attributes("unix:/tmp/s") == {"server.address": "unix:/tmp/s"}
+    assert telemetry.db_attributes("XADD") == {"db.system": "redis", "db.operation.name": "XADD"}
+    assert telemetry.http_server_attributes("GET", "/v1/runs/{run_id}", "/v1/runs/a", 200) == {
+        "http.request.method": "GET",
+        "http.route": "/v1/runs/{run_id}",
+        "url.path": "/v1/runs/a",
+        "http.response.status_code": 200,
+    }
+
+
+def test_a_backdated_span_starts_when_asked(exporter: InMemorySpanExporter) -> None:
+    with telemetry.span("read", start_time_ns=1_000):
+        pass
+    (finished,) = exporter.get_finished_spans()
+    assert finished.start_time == 1_000

@@ -33,10 +33,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
+from opentelemetry.trace import SpanKind
 from redis.exceptions import ResponseError
 
 from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import CONSUMER_GROUP, Counter, DropReason
+from rlfabric.runtime import telemetry
 from rlfabric.v1.queue_pb2 import ScoredGroup
 
 DATA_FIELD = b"data"
@@ -268,7 +270,8 @@ class GroupProducer:
         args: list[bytes | str] = [fields[GROUP_ID_FIELD], fields[DATA_FIELD], Counter.GROUPS_QUEUED.value]
         async with self._lock:
             await self._wait_for_room(timeout_s)
-            entry_id = await self._enqueue(keys=self.names, args=args)
+            with telemetry.span("XADD", kind=SpanKind.CLIENT, attributes=telemetry.db_attributes("XADD")):
+                entry_id = await self._enqueue(keys=self.names, args=args)
         return None if entry_id is None else as_str(entry_id)
 
     async def backlog(self) -> int:

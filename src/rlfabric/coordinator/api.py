@@ -37,6 +37,7 @@ from rlfabric.coordinator.api_docs import add_docs
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, run_health
 from rlfabric.coordinator.http_metrics import RequestMetrics
+from rlfabric.coordinator.http_tracing import RequestSpans
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.page import render_run_page
 from rlfabric.coordinator.runs import (
@@ -532,5 +533,6 @@ def create_app(
     app.include_router(public_routes())
     _error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.api.max_body_bytes)
+    app.add_middleware(RequestSpans)
     app.add_middleware(RequestMetrics)  # outermost: counts what BodyLimit refuses too
     return app

@@ -32,6 +32,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
+from opentelemetry.trace import SpanKind
 
 from rlfabric.contracts import keys, wire
 from rlfabric.contracts.keys import CONSUMER_GROUP
@@ -42,6 +43,7 @@ from rlfabric.contracts.streams import (
     ensure_consumer_group,
     require_bytes_client,
 )
+from rlfabric.runtime import telemetry
 from rlfabric.v1.common_pb2 import REWARD_STATUS_OK, RewardStatus
 from rlfabric.v1.queue_pb2 import ScoredGroup, ScoredSample
 
@@ -267,10 +269,14 @@ class GroupConsumer:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         await self._ensure_group()
+        started = time.time_ns()
         entries = await self._fetch(count, block_ms)
         self.last_rejected = []
         deliveries = [await self._admit(entry) for entry in entries]
-        return [d for d in deliveries if d is not None]
+        trainable = [d for d in deliveries if d is not None]
+        if trainable:  # an empty poll is not worth a trace of its own
+            trace_read(trainable, started)
+        return trainable
 
     async def ack(self, entry_ids: Sequence[str]) -> int:
         """Acknowledges entries whose step is durable (checkpoint with the ledger saved); returns count."""
@@ -410,6 +416,17 @@ class GroupConsumer:
         if not self._group_ready:
             await ensure_consumer_group(self.redis, self.run_id)
             self._group_ready = True
+
+
+def trace_read(deliveries: list[Delivery], started_ns: int) -> None:
+    """Records the read that returned `deliveries` as an XREADGROUP span, linked to each group's trace."""
+    stored = [wire.trace_from_proto(d.group.trace) for d in deliveries if d.group is not None]
+    links = [c for carrier in stored if (c := telemetry.context_from_carrier(carrier)) is not None]
+    attributes = {**telemetry.db_attributes("XREADGROUP"), "groups": len(deliveries)}
+    with telemetry.span(
+        "XREADGROUP", kind=SpanKind.CLIENT, attributes=attributes, links=links, start_time_ns=started_ns
+    ):
+        pass
 
 
 def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:

@@ -4,12 +4,15 @@
 mTLS, a retry policy for the methods the caller declares idempotent (only UNAVAILABLE is retried, up to 4
 attempts with jittered exponential backoff; gRPC retries below the interceptors, so a retried call keeps
 its deadline), and client interceptors that give every call a default deadline when the caller set none,
-attach a bearer token, and inject the current trace context into the metadata.
+attach a bearer token, and make it in a CLIENT span (`telemetry.rpc_span`, with `server.address`/`port`
+and `rpc.grpc.status_code`; the span ends when the call does, a stream's last message included) whose
+trace context goes with the metadata. Health checks are not traced, as the servers do not trace them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from rlfabric.runtime import telemetry
 
@@ -111,12 +116,36 @@ def client_channel_options(
     return options
 
 
+UNTRACED_PREFIX = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/"
+_ending: set[asyncio.Task[None]] = set()
+"""Tasks ending client spans, held until done (the loop keeps only weak references to tasks)."""
+
+
 class _CallDefaults:
     """Fills in what every outgoing call should carry: a deadline, a bearer token, the trace context."""
 
-    def __init__(self, default_timeout_s: float | None, bearer_token: str | None) -> None:
+    def __init__(self, target: str, default_timeout_s: float | None, bearer_token: str | None) -> None:
+        self.server = telemetry.server_attributes(target)
         self.default_timeout_s = default_timeout_s
         self.bearer_token = bearer_token
+
+    async def traced(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        """Starts the call in a CLIENT span that ends, with the call's status code, when the call does."""
+        method = details.method.decode() if isinstance(details.method, bytes) else str(details.method)
+        if method.startswith(UNTRACED_PREFIX):
+            return await continuation(self.apply(details), request)
+        name, attributes = telemetry.rpc_span(method)
+        span = telemetry.start_span(name, kind=SpanKind.CLIENT, attributes={**attributes, **self.server})
+        try:
+            with trace.use_span(span, end_on_exit=False, record_exception=False):
+                call = await continuation(self.apply(details), request)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.end()
+            raise
+        if span.is_recording():
+            call.add_done_callback(functools.partial(_end_when_done, span))
+        return call
 
     def apply(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         """`details` with the default timeout (only if the caller gave none) and the extra metadata."""
@@ -135,28 +164,45 @@ class _CallDefaults:
         )
 
 
+def _end_when_done(span: trace.Span, call: grpc.aio.Call) -> None:
+    """A done callback: ends `span` with the call's status code (read in a task: `code()` is async)."""
+    task = asyncio.ensure_future(_end_span(span, call))
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
+
+
+async def _end_span(span: trace.Span, call: grpc.aio.Call) -> None:
+    try:
+        code = await call.code()
+        span.set_attribute(telemetry.RPC_GRPC_STATUS_CODE, code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(trace.StatusCode.ERROR, code.name)
+    finally:
+        span.end()
+
+
 class _UnaryUnary(_CallDefaults, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return await continuation(self.apply(client_call_details), request)
+        return await self.traced(continuation, client_call_details, request)
 
 
 class _UnaryStream(_CallDefaults, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[type-arg]
     async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return await continuation(self.apply(client_call_details), request)
+        return await self.traced(continuation, client_call_details, request)
 
 
 class _StreamUnary(_CallDefaults, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[type-arg]
     async def intercept_stream_unary(
         self, continuation: Any, client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await continuation(self.apply(client_call_details), request_iterator)
+        return await self.traced(continuation, client_call_details, request_iterator)
 
 
 class _StreamStream(_CallDefaults, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[type-arg]
     async def intercept_stream_stream(
         self, continuation: Any, client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await continuation(self.apply(client_call_details), request_iterator)
+        return await self.traced(continuation, client_call_details, request_iterator)
 
 
 def make_channel(
@@ -176,7 +222,7 @@ def make_channel(
     """
     options = client_channel_options(max_message_bytes, retry_methods, tls)
     interceptors: list[Any] = [
-        cls(default_timeout_s, bearer_token)
+        cls(target, default_timeout_s, bearer_token)
         for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     ]
     if tls is None:

@@ -289,7 +289,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         code = grpc.StatusCode.OK
         parent = telemetry.extract_from_metadata(context.invocation_metadata())
         try:
-            with telemetry.span(method, parent=parent, kind=SpanKind.SERVER) as span:
+            name, attributes = telemetry.rpc_span(method)
+            with telemetry.span(name, parent=parent, kind=SpanKind.SERVER, attributes=attributes) as span:
                 try:
                     result = await call()
                     code = context.code() or grpc.StatusCode.OK
@@ -298,7 +299,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     code = _code_of_failure(exc, context)
                     await _answer_failure(exc, method, context)
                 finally:
-                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    span.set_attribute(telemetry.RPC_GRPC_STATUS_CODE, code.value[0])
         finally:
             self.in_flight -= 1
             _IN_FLIGHT.dec()

@@ -2,9 +2,15 @@
 
 Tracing is off unless `OTEL_TRACES_EXPORTER` names an exporter ("console", "otlp", or a comma-separated
 list of them); when off, the SDK is not even imported and every helper here returns at once without
-touching OpenTelemetry, so instrumented code costs a flag check. The OTLP exporter speaks gRPC and reads
-its own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`, ...); the sampler honours
-`OTEL_TRACES_SAMPLER`; `OTEL_SERVICE_NAME` overrides the name a service passes in.
+touching OpenTelemetry, so instrumented code costs a flag check. The OTLP exporter speaks the protocol
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (else `OTEL_EXPORTER_OTLP_PROTOCOL`, else "grpc") names: "grpc" or
+"http/protobuf"; it reads its own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`,
+...); the sampler honours `OTEL_TRACES_SAMPLER`; `OTEL_SERVICE_NAME` overrides the name a service passes in.
+
+Spans follow OpenTelemetry's semantic conventions; the helpers below build their names and attributes:
+    gRPC calls       `rpc_span`: "{rpc.service}/{rpc.method}", CLIENT or SERVER, rpc.* attributes
+    HTTP requests    `http_server_attributes`: "{method} {route}", SERVER, http.* and url.path
+    Redis commands   `db_attributes`: "{db.operation.name}", CLIENT, db.system = "redis"
 
 A trace crosses three kinds of boundary, each with its pair of helpers:
     gRPC calls       inject_metadata / extract_from_metadata   (W3C `traceparent` / `tracestate` keys)
@@ -30,6 +36,23 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
 EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+"""Where the OTLP protocol is read, the signal-specific variable first."""
+PROTOCOLS = ("grpc", "http/protobuf")
+
+# Attribute names of the semantic conventions used here (RPC, HTTP, database, server).
+RPC_SYSTEM = "rpc.system"
+RPC_SERVICE = "rpc.service"
+RPC_METHOD = "rpc.method"
+RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_REQUEST_METHOD = "http.request.method"
+HTTP_ROUTE = "http.route"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+URL_PATH = "url.path"
+DB_SYSTEM = "db.system"
+DB_OPERATION_NAME = "db.operation.name"
 _TRACE_CONTEXT = TraceContextTextMapPropagator()
 
 
@@ -100,10 +123,30 @@ def _exporter_named(name: str) -> SpanExporter:
 
         return ConsoleSpanExporter()
     if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter()
+        return _otlp_exporter(otlp_protocol())
     raise ValueError(f"{EXPORTER_ENV}={name!r} is not supported (use 'otlp', 'console' or 'none')")
+
+
+def otlp_protocol() -> str:
+    """The OTLP protocol the environment asks for ("grpc" when unset); another value is a config error."""
+    for variable in PROTOCOL_ENVS:
+        value = os.environ.get(variable, "").strip().lower()
+        if value:
+            if value not in PROTOCOLS:
+                raise ValueError(f"{variable}={value!r} is not supported (use 'grpc' or 'http/protobuf')")
+            return value
+    return "grpc"
+
+
+def _otlp_exporter(protocol: str) -> SpanExporter:
+    """The OTLP span exporter speaking `protocol` (one of PROTOCOLS)."""
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 @contextlib.contextmanager
@@ -114,9 +157,11 @@ def span(
     kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     attributes: Mapping[str, str | int | float | bool] | None = None,
     links: Iterable[otel_context.Context] = (),
+    start_time_ns: int | None = None,
 ) -> Iterator[trace.Span]:
     """Runs the block in a new current span (a child of `parent`, else of the current span), linked to
     the spans current in `links` (e.g. the groups one learner step consumed: a step has many causes).
+    `start_time_ns` (`time.time_ns()`) backdates the start, to record work that is known only once done.
 
     When tracing is off it yields `trace.INVALID_SPAN` and does nothing else. Exceptions escaping the
     block are recorded on the span and re-raised.
@@ -126,9 +171,48 @@ def span(
         return
     span_links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in links]
     with _state.tracer.start_as_current_span(
-        name, context=parent, kind=kind, attributes=attributes, links=span_links
+        name, context=parent, kind=kind, attributes=attributes, links=span_links, start_time=start_time_ns
     ) as s:
         yield s
+
+
+def start_span(name: str, *, kind: trace.SpanKind, attributes: Mapping[str, str | int]) -> trace.Span:
+    """A started span, child of the current one and not made current, for work that ends in a callback
+    (the caller calls `end()`); `trace.INVALID_SPAN` when tracing is off."""
+    if _state.tracer is None:
+        return trace.INVALID_SPAN
+    return _state.tracer.start_span(name, kind=kind, attributes=attributes)
+
+
+def rpc_span(full_method: str) -> tuple[str, dict[str, str | int]]:
+    """The span name and attributes of a gRPC call to `full_method` ("/pkg.Service/Method"), both sides:
+    ("pkg.Service/Method", {rpc.system: "grpc", rpc.service: "pkg.Service", rpc.method: "Method"})."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return f"{service}/{method}", {RPC_SYSTEM: "grpc", RPC_SERVICE: service, RPC_METHOD: method}
+
+
+def server_attributes(target: str) -> dict[str, str | int]:
+    """`server.address` and `server.port` of a "host:port" gRPC target ("[v6]:port" included); only the
+    address when the target names no port (a "unix:" path, a name resolved elsewhere)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return {SERVER_ADDRESS: target}
+    return {SERVER_ADDRESS: host.removeprefix("[").removesuffix("]"), SERVER_PORT: int(port)}
+
+
+def http_server_attributes(method: str, route: str, path: str, status: int) -> dict[str, str | int]:
+    """The attributes of an HTTP server span; its name is f"{method} {route}"."""
+    return {
+        HTTP_REQUEST_METHOD: method,
+        HTTP_ROUTE: route,
+        URL_PATH: path,
+        HTTP_RESPONSE_STATUS_CODE: status,
+    }
+
+
+def db_attributes(operation: str) -> dict[str, str | int]:
+    """The attributes of a Redis command's span (named after `operation`, e.g. "XADD")."""
+    return {DB_SYSTEM: "redis", DB_OPERATION_NAME: operation}
 
 
 def inject_metadata(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import pytest
 from jsonschema import Draft202012Validator
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
@@ -32,6 +34,7 @@ from rlfabric.coordinator.manager import RunManager
 from rlfabric.coordinator.prefs_builds import BuildList, BuildRecord
 from rlfabric.coordinator.runs import RunRecord, RunStore
 from rlfabric.runspec import MAX_TOKENS
+from rlfabric.runtime import telemetry
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -96,6 +99,30 @@ async def test_submit_get_and_list(client: httpx.AsyncClient, hooks: dict[str, l
     assert [r["run_id"] for r in listed] == [anonymous["run_id"], "alpha"]
     only = (await client.get("/v1/runs", params={"state": "running"}, headers=AUTH)).json()["runs"]
     assert only == []
+
+
+async def test_requests_are_server_spans_named_by_route(client: httpx.AsyncClient) -> None:
+    """HTTP semantic conventions: "{method} {route}" (the template), continuing the caller's trace."""
+    exporter = InMemorySpanExporter()
+    telemetry.setup_tracing("test", exporter=exporter)
+    try:
+        with telemetry.span("caller") as caller:
+            headers = telemetry.inject_headers(dict(AUTH))
+            await client.get("/v1/runs/nope", headers=headers)
+        await client.get("/no/such/route")
+    finally:
+        telemetry.shutdown_tracing()
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER}
+    found = spans["GET /v1/runs/{run_id}"]
+    assert found.context.trace_id == caller.get_span_context().trace_id
+    assert dict(found.attributes or {}) == {
+        "http.request.method": "GET",
+        "http.route": "/v1/runs/{run_id}",
+        "url.path": "/v1/runs/nope",
+        "http.response.status_code": 404,
+    }
+    assert "http.route" not in (spans["GET"].attributes or {})
+    assert (spans["GET"].attributes or {})["http.response.status_code"] == 404
 
 
 async def test_status_shows_progress_counters_metrics_and_warnings(
