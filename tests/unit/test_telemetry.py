@@ -247,3 +247,10 @@ def test_a_backdated_span_starts_when_asked(exporter: InMemorySpanExporter) -> N
         pass
     (finished,) = exporter.get_finished_spans()
     assert finished.start_time == 1_000
+
+
+def test_new_trace_starts_a_root_span_under_a_current_one(exporter: InMemorySpanExporter) -> None:
+    with telemetry.span("request") as request, telemetry.span("group", parent=telemetry.NEW_TRACE) as group:
+        pass
+    assert group.get_span_context().trace_id != request.get_span_context().trace_id
+    assert {s.name: s.parent for s in exporter.get_finished_spans()}["group"] is None

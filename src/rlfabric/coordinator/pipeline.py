@@ -315,7 +315,9 @@ class RunPipeline:
         while True:
             cancel_point()
             try:
-                with telemetry.span("group", attributes={"run_id": self.run_id, "group_id": item.group_id}):
+                with telemetry.span(
+                    "group", parent=telemetry.NEW_TRACE, attributes=self.group_attributes(item)
+                ):
                     if samples is None:
                         samples = await self.generate_group(item, row)
                     if samples:  # [] when dropped as invalid
@@ -326,6 +328,9 @@ class RunPipeline:
                 log.exception("group %s failed; it stays in flight and is retried", item.group_id)
                 await asyncio.sleep(1.0)
         self.in_flight.pop(item.group_id, None)
+
+    def group_attributes(self, item: InFlight) -> dict[str, str | int]:
+        return {"run_id": self.run_id, "group_id": item.group_id}
 
     async def generate_group(self, item: InFlight, row: PromptRow) -> list[rollout_pb2.GeneratedSample]:
         """The group's samples, re-dispatched while replicas fail; [] when the prompt was dropped as

@@ -54,6 +54,9 @@ URL_PATH = "url.path"
 DB_SYSTEM = "db.system"
 DB_OPERATION_NAME = "db.operation.name"
 _TRACE_CONTEXT = TraceContextTextMapPropagator()
+NEW_TRACE = otel_context.Context()
+"""`parent=NEW_TRACE` starts a trace of its own whatever span is current: the run's tasks inherit the
+context of the HTTP request that submitted the run, and a group is its own trace, not part of that one."""
 
 
 @dataclass
