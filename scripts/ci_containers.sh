@@ -27,11 +27,15 @@ cache="${RLFABRIC_DOCKER_CACHE:-$HOME/.cache/rlfabric/docker}"
 run="$(mktemp -d)"  # the daemon's socket and run state: short paths, removed afterwards
 mkdir -p "$cache"
 say "starting dockerd (data in $cache)"
-as_root dockerd --storage-driver=overlay2 --data-root "$cache/root" --exec-root "$run/exec" \
-  --pidfile "$run/dockerd.pid" -H "unix://$run/docker.sock" >"$run/dockerd.log" 2>&1 &
+# dockerd itself is this shell's child (as root) or sudo's, so $! is a process that ends with it.
+daemon=(dockerd --storage-driver=overlay2 --data-root "$cache/root" --exec-root "$run/exec"
+  --pidfile "$run/dockerd.pid" -H "unix://$run/docker.sock")
+if [ "$(id -u)" = 0 ]; then "${daemon[@]}" >"$run/dockerd.log" 2>&1 & else sudo "${daemon[@]}" >"$run/dockerd.log" 2>&1 & fi
 dockerd_pid=$!
 stop_dockerd() {
-  kill "$dockerd_pid" 2>/dev/null && wait "$dockerd_pid" 2>/dev/null
+  # SIGTERM to dockerd by the PID it wrote (it stops its containers and its containerd), then wait.
+  if [ -s "$run/dockerd.pid" ]; then as_root kill "$(cat "$run/dockerd.pid")"; fi
+  wait "$dockerd_pid" || echo "dockerd exited with status $?" >&2
   rm -rf "$run"
 }
 trap stop_dockerd EXIT
