@@ -39,8 +39,13 @@ def cli(*args: str) -> list[str]:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any rlfabric setting, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RLFABRIC_")}
+    """This process's environment without any rlfabric setting but the metrics ports (tests/conftest.py sets
+    them to 0: the fixed defaults would collide between services on one machine), plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.upper().startswith("RLFABRIC_") or k.upper().endswith("__SERVER__METRICS_PORT")
+    }
     return {**env, **extra}
 
 
