@@ -167,6 +167,20 @@ async def test_reclaimed_group_already_applied_is_skipped_and_acked(
     assert await pending_count(redis, run_id) == 1
 
 
+async def test_an_entry_held_is_never_handed_out_twice(redis: aioredis.Redis, run_id: str) -> None:
+    """Whatever path makes Redis deliver a held (read, not yet acknowledged) entry again, `read` does not
+    hand it out a second time: a step would train it twice."""
+    await produce(redis, run_id, 2)
+    crashed = GroupConsumer(redis, run_id, "learner-0")
+    await crashed.read(2)
+    del crashed
+    restarted = GroupConsumer(redis, run_id, "learner-0")
+    assert ids_of(await restarted.read(2)) == ["g0", "g1"]  # its own pending entries, now held
+    restarted._history_cursor = "0"  # Redis delivers them again (XREADGROUP of the pending history)
+    assert await restarted.read(2, block_ms=10) == []
+    assert await pending_count(redis, run_id) == 2  # still held, acknowledged once their step is durable
+
+
 async def test_poison_entry_goes_to_dead_letter(redis: aioredis.Redis, run_id: str) -> None:
     await produce(redis, run_id, 1)
     await redis.xadd(keys.groups(run_id), {b"data": b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff garbage"})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -46,6 +47,8 @@ from rlfabric.contracts.streams import (
 from rlfabric.runtime import telemetry
 from rlfabric.v1.common_pb2 import REWARD_STATUS_OK, RewardStatus
 from rlfabric.v1.queue_pb2 import ScoredGroup, ScoredSample
+
+_log = logging.getLogger(__name__)
 
 REASON_DECODE = "decode"
 """The payload is not a ScoredGroup."""
@@ -355,6 +358,12 @@ class GroupConsumer:
 
     async def _admit(self, entry: _Entry) -> Delivery | None:
         """Turns a raw entry into a trainable Delivery, or dead-letters / skips it and returns None."""
+        if entry.entry_id in self._in_flight:
+            # Held already, not yet acknowledged: handing it out again would train it twice (the ledger
+            # once caught a resumed run training three groups twice in one step; the path that delivered
+            # the held entries again was not found, so this guard is kept whatever that path is).
+            _log.warning("entry %s delivered again while held; not handed out twice", entry.entry_id)
+            return None
         self.counters.read += 1
         self.counters.reclaimed += entry.reclaimed
         data = entry.fields.get(DATA_FIELD, b"")
