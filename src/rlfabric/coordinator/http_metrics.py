@@ -37,6 +37,20 @@ def route_of(scope: Scope) -> str:
     return path if isinstance(path, str) else UNMATCHED
 
 
+class StatusRecorder:
+    """Wraps an ASGI `send` to remember the response's status code: 500 until a response starts (what
+    the server answers when the app raises before one)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.code = 500
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.code = int(message["status"])
+        await self._send(message)
+
+
 class RequestMetrics:
     """ASGI middleware counting and timing each HTTP request by method, route template and status."""
 
@@ -48,17 +62,10 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        code = 500  # what the server answers when the app raises before a response starts
-
-        async def recorded(message: Message) -> None:
-            nonlocal code
-            if message["type"] == "http.response.start":
-                code = int(message["status"])
-            await send(message)
-
+        status = StatusRecorder(send)
         try:
-            await self.app(scope, receive, recorded)
+            await self.app(scope, receive, status.send)
         finally:
             method, route = scope["method"], route_of(scope)
-            _REQUESTS.labels(method, route, str(code)).inc()
+            _REQUESTS.labels(method, route, str(status.code)).inc()
             _DURATION.labels(method, route).observe(time.perf_counter() - start)

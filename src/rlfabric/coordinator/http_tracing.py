@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlfabric.coordinator.http_metrics import UNMATCHED, route_of
+from rlfabric.coordinator.http_metrics import UNMATCHED, StatusRecorder, route_of
 from rlfabric.runtime import telemetry
 
 
@@ -29,23 +29,16 @@ class RequestSpans:
         method = scope["method"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         parent = telemetry.extract_from_headers(headers)
-        code = 500  # what the server answers when the app raises before a response starts
-
-        async def recorded(message: Message) -> None:
-            nonlocal code
-            if message["type"] == "http.response.start":
-                code = int(message["status"])
-            await send(message)
-
+        status = StatusRecorder(send)
         with telemetry.span(method, parent=parent, kind=SpanKind.SERVER) as span:
             try:
-                await self.app(scope, receive, recorded)
+                await self.app(scope, receive, status.send)
             finally:
                 route = route_of(scope)
                 span.update_name(method if route == UNMATCHED else f"{method} {route}")
-                attributes = telemetry.http_server_attributes(method, route, scope["path"], code)
+                attributes = telemetry.http_server_attributes(method, route, scope["path"], status.code)
                 if route == UNMATCHED:
                     del attributes[telemetry.HTTP_ROUTE]
                 span.set_attributes(attributes)
-                if code >= 500:
+                if status.code >= 500:
                     span.set_status(trace.StatusCode.ERROR)
