@@ -14,7 +14,6 @@ source scripts/bootstrap.sh
 start=$SECONDS
 say() { printf -- '--- %s (%ss)\n' "$1" "$((SECONDS - start))"; }
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null \
   || ! command -v debootstrap >/dev/null || ! command -v iptables >/dev/null; then
   say "installing docker.io, docker-compose, debootstrap (Debian packages)"
