@@ -2,7 +2,7 @@
 # Installs what rlfabric needs on a fresh Debian/Ubuntu machine, idempotently:
 #   - redis-server (Debian package; tests and `rlfabric up` start their own instances on loopback)
 #   - promtool (Debian package prometheus; the metrics lint test checks every service's /metrics with it)
-#   - a virtual environment at $RLFABRIC_VENV (default .venv) with `pip install -e .[cpu,dev,bench,s3,wandb]`
+#   - a virtual environment at $RLFABRIC_VENV (default .venv) with `pip install -e .[cpu,dev,bench,s3,wandb,mlflow]`
 #     (`bench` is TRL for bench/e2e_trl.py, whose quick mode CI runs: ~1 min more on a fresh install)
 # Sourced by scripts/test.sh, scripts/demo.sh and .ci/run; safe to run again (it re-installs only when
 # pyproject.toml changed).
@@ -10,7 +10,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFABRIC_VENV:-$ROOT/.venv}"
-EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench,s3,wandb}"
+EXTRAS="${RLFABRIC_EXTRAS:-cpu,dev,bench,s3,wandb,mlflow}"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 

@@ -198,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     from rlfabric.prefs import cli as prefs_cli
 
     prefs_cli.add_arguments(prefs)
+    plan = sub.add_parser(
+        "plan",
+        help="the memory and throughput plan of a run file before launch: fits or not, and what to change",
+        description="Read the model's config.json only (no weights) and the run file's [resources] (or "
+        "--devices), and print per device and role the memory each line takes with its formula "
+        "(docs/plan.md), whether it fits and what to change, and the tokens/s each role can make. "
+        "Exit 0 when it fits, 1 when it does not, 2 when the plan cannot be made.",
+    )
+    from rlfabric.plan import cli as plan_cli
+
+    plan_cli.add_arguments(plan)
     return parser
 
 
@@ -314,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             from rlfabric.prefs import cli as prefs_cli
 
             return prefs_cli.run(args)
+        if args.command == "plan":
+            from rlfabric.plan import cli as plan_cli
+
+            return plan_cli.run(args)
         from rlfabric.tools import tiny_model
 
         return tiny_model.run(args)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfabric.runspec import DatasetSpec
+from rlfabric.runtime.hf import HF_LOCK
 from rlfabric.runtime.paths import is_hub_id
 
 if TYPE_CHECKING:
@@ -76,12 +77,13 @@ def read_records(source: Source | Path) -> list[dict[str, Any]]:
     if isinstance(source, Path):
         source = Source("dataset", str(source), "train")
     path = Path(source.path)
-    if path.is_dir():
-        return _read_folder(source, path)
-    if path.exists():
-        return _read_file(source, path)
-    if is_hub_id(source.path):
-        return _read_hub(source)
+    with HF_LOCK:  # not beside another thread's first tokenizer load (`rlfabric.runtime.hf`)
+        if path.is_dir():
+            return _read_folder(source, path)
+        if path.exists():
+            return _read_file(source, path)
+        if is_hub_id(source.path):
+            return _read_hub(source)
     raise DatasetError(f"{source.field}.path {path}: no such file or folder (nor a hub id org/name)")
 
 

@@ -16,11 +16,13 @@ default. A run file holds overrides only, e.g.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rlfabric.environment.run_spec import RunEnvironmentSpec
+from rlfabric.plan.resources import ResourcesSpec
 from rlfabric.runtime.config import StrictModel
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -65,6 +67,27 @@ class TinyModelRecipe(SpecModel):
     """Seed of the random weights."""
 
 
+class LoraSpec(SpecModel):
+    """Low-rank adapters (LoRA, through PEFT) trained instead of the policy's full weights."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """The adapters' rank r."""
+    alpha: int = Field(default=32, ge=1, le=1 << 16)
+    """Scale numerator: an adapter adds (alpha / r) * B @ A to its layer's weight."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names (last component) of the linear layers that get an adapter; the default is every attention and
+    MLP projection of Llama/Qwen/Mistral-style models. `["all-linear"]` is PEFT's every linear layer but
+    the head."""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """What each published version holds: the adapter alone (a few MB; replicas serve it beside the base
+    model and need `engine.max_adapters` >= 1, which `rlfabric up` sets), or the policy with the adapter
+    merged into its weights (any replica, full-weight transfers). Broadcast transport: merged only."""
+
+
 class ModelSpec(SpecModel):
     """The policy and its frozen reference."""
 
@@ -85,6 +108,16 @@ class ModelSpec(SpecModel):
     tiny: TinyModelRecipe | None = None
     """Build a random tiny model at `path` when the folder does not exist yet (`rlfabric up` only; a run
     submitted to the services needs the folder)."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters on the frozen policy instead of its weights (online runs). The KL reference is
+    then the same model with its adapters disabled (no second copy) unless `reference_path` names another;
+    what each published version holds is `lora.publish`'s choice."""
+
+    @property
+    def published_adapter(self) -> LoraSpec | None:
+        """The LoRA spec when each published version is the adapter alone (replicas serve it beside the
+        base model); None for full-weight versions (no LoRA, or `publish = "merged"`)."""
+        return self.lora if self.lora is not None and self.lora.publish == "adapter" else None
 
 
 class EvalSpec(SpecModel):
@@ -214,6 +247,13 @@ class RolloutSpec(SpecModel):
     """Groups dispatched to one replica and not yet returned."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal for group estimators); counted."""
+    fleet: str | None = Field(default=None, pattern=RUN_NAME_PATTERN)
+    """A shared rollout fleet to generate on (its replicas serve several runs' LoRA adapters on one base
+    model, `rlfabric serve rollout` with `fleet` set); None: the run's own replicas. Needs
+    `model.lora.publish = "adapter"` (a run on a shared fleet never changes the base weights)."""
+    fleet_weight: float = Field(default=1.0, gt=0, le=1000)
+    """This run's share of the fleet's replica slots against the other runs on it (weighted fair share:
+    while several runs wait, each gets slots in proportion to its weight)."""
 
 
 class ScorerPart(SpecModel):
@@ -649,6 +689,25 @@ class WandbSpec(SpecModel):
     """Tags of the W&B run (the run's mode is always added)."""
 
 
+class MlflowSpec(SpecModel):
+    """An MLflow run mirroring the learner's (the `mlflow` extra: `pip install 'rlfabric[mlflow]'`). The
+    MLflow run carries the run id as its tag `rlfabric.run_id`, so a restarted learner finds and continues
+    it. Credentials for a tracking server come from MLflow's own settings (`MLFLOW_TRACKING_TOKEN`, ...)."""
+
+    tracking_uri: str | None = Field(default=None, min_length=1)
+    """Where runs are recorded: a tracking server (`http://mlflow:5000`), a database (`sqlite:///...`) or a
+    file store (`file:///...`); None: a file store at `mlruns/` in the run directory (`mlflow ui
+    --backend-store-uri` shows it)."""
+    experiment: str = Field(default="rlfabric", min_length=1, max_length=500)
+    """MLflow experiment, created when missing."""
+    run_name: str | None = Field(default=None, min_length=1, max_length=250)
+    """Name of the MLflow run; None: the run id."""
+    tags: dict[
+        Annotated[str, Field(min_length=1, max_length=250)], Annotated[str, Field(max_length=8000)]
+    ] = Field(default_factory=dict, max_length=100)
+    """Tags of the MLflow run, besides `rlfabric.*` (what the run trains from) that are always set."""
+
+
 class TrackingSpec(SpecModel):
     """Experiment trackers the learner's rank 0 mirrors the run to, besides metrics.jsonl and TensorBoard:
     the spec as config, each step's metrics, curves.png at checkpoints and at the end, and the model and
@@ -657,6 +716,8 @@ class TrackingSpec(SpecModel):
 
     wandb: WandbSpec | None = None
     """Weights & Biases; None: not tracked there."""
+    mlflow: MlflowSpec | None = None
+    """MLflow; None: not tracked there."""
 
 
 class RunSpec(SpecModel):
@@ -702,6 +763,10 @@ class RunSpec(SpecModel):
     environment: RunEnvironmentSpec | None = None
     """Multi-turn rollouts: each sample is a trajectory played against this environment (tools, a user
     environment class, or one written for TRL); None is single-turn (one prompt, one completion)."""
+    resources: ResourcesSpec | None = None
+    """The devices each role runs on (`rlfabric.plan.resources`); a run that declares them is refused by
+    `POST /v1/runs` and `rlfabric up` when its memory plan does not fit (`rlfabric plan`). None: not
+    planned, never refused for memory."""
 
     @model_validator(mode="after")
     def _groups_need_samples(self) -> RunSpec:
@@ -710,6 +775,28 @@ class RunSpec(SpecModel):
             raise ValueError(
                 f"rollout.sampling.n must be >= 2 for the group estimator {self.algorithm.advantage!r}"
                 f" (got {n})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_is_online(self) -> RunSpec:
+        lora = self.model.lora
+        if lora is not None and self.mode != "online":
+            raise ValueError(f"model.lora: only an online run trains adapters (mode is {self.mode!r})")
+        if self.model.published_adapter is not None and self.weights.transport == "broadcast":
+            raise ValueError(
+                "model.lora.publish: 'adapter' needs weights.transport = 'object_store' (adapters are not"
+                " broadcast); use publish = 'merged' with broadcast"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fleet_runs_publish_adapters(self) -> RunSpec:
+        if self.rollout.fleet is not None and self.model.published_adapter is None:
+            raise ValueError(
+                "rollout.fleet: a run on a shared fleet must train a LoRA adapter and publish it alone"
+                " (model.lora with publish = 'adapter'): full-weight versions would change the base every"
+                " run on the fleet generates with"
             )
         return self
 
@@ -726,6 +813,13 @@ class RunSpec(SpecModel):
         ws = self.warm_start
         sections = {"dataset": ws.dataset, "sft": ws.sft, "optim": ws.optim, "train": ws.train}
         return self.model_copy(update={**sections, "mode": "sft", "warm_start": None})
+
+    def weights_root(self, run_id: str | None = None) -> str:
+        """Where the run's learner publishes its versions and replicas load them: `weights.url`, else
+        `<output_dir>/<run>/weights` (the run: `run_id`, else `name`)."""
+        if self.weights.url:
+            return self.weights.url
+        return str(Path(self.output_dir) / (run_id or self.name or "") / "weights")
 
     def local_paths(self) -> dict[str, tuple[PathKind, str]]:
         """Every file or folder the spec names, by dotted field: the dataset ("data") and the models

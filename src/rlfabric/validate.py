@@ -48,6 +48,7 @@ from rlfabric.data import (
 from rlfabric.reward.check import check_scorer_locally
 from rlfabric.reward.spec import ScorerProblem
 from rlfabric.runspec import RunSpec
+from rlfabric.runtime.hf import HF_LOCK
 from rlfabric.runtime.paths import is_hub_id
 
 FIRST_ROWS = 16
@@ -89,6 +90,8 @@ class CheckReport:
     """Checks not made here, each with the reason."""
     notes: list[str] = field(default_factory=list)
     """Things worth knowing that do not stop the run (prompts that will be filtered as too long)."""
+    plan: dict[str, Any] | None = None
+    """The memory plan (`rlfabric.plan.report.to_json`) of a run that declares `[resources]`."""
 
     @property
     def ok(self) -> bool:
@@ -98,6 +101,7 @@ class CheckReport:
         self.issues += other.issues
         self.skipped += other.skipped
         self.notes += other.notes
+        self.plan = other.plan or self.plan
 
 
 # -- scorer ---------------------------------------------------------------------------------------------
@@ -458,11 +462,15 @@ def check_spec(
     report = CheckReport(issues=scorer_issues(scorer_problems or []))
     report.issues += scorer_issues(gold_problems, GOLD_SECTION)
     report.extend(check_paths(spec))
-    models, tokenizer = check_models(spec)
-    report.extend(models)
-    report.extend(check_dataset(spec, tokenizer))
-    report.extend(check_warm_start(spec, tokenizer))
-    report.extend(check_template(spec, tokenizer))
+    with HF_LOCK:  # the tokenizer and the data load beside the coordinator's other threads
+        models, tokenizer = check_models(spec)
+        report.extend(models)
+        report.extend(check_dataset(spec, tokenizer))
+        report.extend(check_warm_start(spec, tokenizer))
+        report.extend(check_template(spec, tokenizer))
+    from rlfabric.plan.check import check_resources
+
+    report.extend(check_resources(spec))
     return report
 
 

@@ -9,6 +9,8 @@ starts short on two cores):
 2. SIGKILL of `up` itself mid-run: every process it started is gone within seconds (their guards see to
    it); `up --resume` on the same directory then finishes the run with its Redis data and credentials,
    and the books balance.
+3. The same for two LoRA runs sharing one fleet replica (`up --runs 2 --lora 16`): `up --resume` finishes
+   both, and each run's books balance.
 
 Every process `up` started is recorded by PID while it runs (its descendants, sampled each poll).
 """
@@ -74,19 +76,19 @@ class Up:
             time.sleep(0.5)
         return self.proc.wait(timeout=5)
 
-    def status(self) -> dict[str, Any] | None:
+    def status(self, run: str = "demo") -> dict[str, Any] | None:
         match = re.search(r"page: (http://[\d.:]+)/runs/", self.output())
         if match is None:
             return None
         token = json.loads((self.run_dir / "credentials.json").read_text())["api"]
         try:
-            response = httpx.get(f"{match[1]}/v1/runs/demo", headers={"Authorization": f"Bearer {token}"})
+            response = httpx.get(f"{match[1]}/v1/runs/{run}", headers={"Authorization": f"Bearer {token}"})
             return dict(response.json()) if response.status_code == 200 else None
         except httpx.HTTPError:
             return None
 
-    def step(self) -> int:
-        return int((self.status() or {}).get("step") or 0)
+    def step(self, run: str = "demo") -> int:
+        return int((self.status(run) or {}).get("step") or 0)
 
     def pid_of(self, name: str) -> int:
         return int(re.findall(rf"{name} (?:ready|is back) \(pid (\d+)", self.output())[-1])
@@ -124,12 +126,39 @@ def env(vllm_env: dict[str, str]) -> dict[str, str]:
     return {**vllm_env, "PYTHONUNBUFFERED": "1"}
 
 
-def balanced(run_dir: Path, reopen_aof: Callable[[Path], redis.Redis]) -> int:
-    """The ledger's check of the run (raises when the books do not balance); the groups trained."""
+def balanced(
+    run_dir: Path, reopen_aof: Callable[[Path], redis.Redis], runs: tuple[str, ...] = ("demo",)
+) -> list[int]:
+    """The ledger's check of each run (raises when the books do not balance); the groups each trained."""
     books = reopen_aof(run_dir)
-    run = run_dir / "demo"
-    result = ledger.check(books, "demo", run / "checkpoints", weights_root=str(run / "weights"))
-    return int(result.count()[ledger.TRAINED])
+    trained = []
+    for name in runs:
+        run = run_dir / name
+        result = ledger.check(books, name, run / "checkpoints", weights_root=str(run / "weights"))
+        trained.append(int(result.count()[ledger.TRAINED]))
+    return trained
+
+
+def kill_then_resume(
+    run_dir: Path, argv: list[str], env: dict[str, str], runs: tuple[str, ...]
+) -> tuple[Up, Up, int]:
+    """`up ARGV` SIGKILLed once each of `runs` reached step 2 (nothing it started may survive), then
+    `up --resume RUN_DIR` to its end: both, and the second's exit code."""
+    first = Up(run_dir, *argv, env=env)
+    try:
+        first.wait_for("step 2", lambda: min(first.step(run) for run in runs) >= 2)
+        first.record_pids()
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+    finally:
+        first.stop()
+    assert survivors(first.seen) == []
+    second = Up(run_dir, "--resume", str(run_dir), env=env)
+    try:
+        returncode = second.finish()
+    finally:
+        second.stop()
+    return first, second, returncode
 
 
 def test_up_restarts_a_killed_learner_and_replica(
@@ -152,30 +181,35 @@ def test_up_restarts_a_killed_learner_and_replica(
     assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
     assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1)" in output, output[-3000:]
     assert survivors(up.seen) == []
-    assert balanced(tmp_path / "run", reopen_aof) == STEPS * 8
+    assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
 
 
 def test_nothing_outlives_a_killed_up_and_resume_finishes_the_run(
     tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
 ) -> None:
     run_dir = tmp_path / "run"
-    first = Up(run_dir, "--run-dir", str(run_dir), "--steps", str(STEPS), "--engine", "transformers", env=env)
-    try:
-        first.wait_for("step 2", lambda: first.step() >= 2)
-        first.record_pids()
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(timeout=30)
-    finally:
-        first.stop()
+    argv = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--engine", "transformers"]
+    first, second, returncode = kill_then_resume(run_dir, argv, env, ("demo",))
     assert len(first.seen) >= 5, first.seen  # redis, reward, rollout, learner, coordinator and guards
-    assert survivors(first.seen) == []
-    second = Up(run_dir, "--resume", str(run_dir), env=env)
-    try:
-        returncode = second.finish()
-    finally:
-        second.stop()
     output = second.output()
     assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
     assert "run demo was running" in output
     assert survivors(second.seen) == []
-    assert balanced(run_dir, reopen_aof) == STEPS * 8
+    assert balanced(run_dir, reopen_aof) == [STEPS * 8]
+
+
+FLEET = ("demo-1", "demo-2")
+
+
+def test_a_killed_up_of_two_runs_on_a_fleet_resumes_both(
+    tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["--run-dir", str(run_dir), "--runs", "2", "--lora", "16", "--steps", str(STEPS)]
+    _, second, returncode = kill_then_resume(run_dir, argv, env, FLEET)
+    output = second.output()
+    assert returncode == 0, output[-3000:]
+    for run in FLEET:
+        assert f"run {run} was running" in output and f"run {run}: completed at step {STEPS}" in output, run
+    assert survivors(second.seen) == []
+    assert balanced(run_dir, reopen_aof, FLEET) == [STEPS * 8] * 2

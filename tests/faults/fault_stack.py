@@ -167,7 +167,7 @@ class Stack:
             argv += ["--set", setting]
         self._proc("reward", "reward", argv, r"listening on (\S+)", timeout_s=60, env=self.env)
 
-    def start_replica(self, name: str, ready: str = r"serving version (\d+)") -> str:
+    def start_replica(self, name: str, ready: str = r"serving version (\d+)", failpoints: str = "") -> str:
         argv = cli(
             "serve", "rollout", "--model", self.spec.model.path, "--port", "0", "--engine", self.engine
         )
@@ -183,7 +183,8 @@ class Stack:
         ]  # fmt: skip
         for setting in settings:
             argv += ["--set", setting]
-        return self._proc(name, "rollout", argv, ready, env=self.env)
+        env = {**self.env, "RLFABRIC_FAILPOINTS": failpoints} if failpoints else self.env
+        return self._proc(name, "rollout", argv, ready, env=env)
 
     def start_learner(self, failpoints: str = "", name: str = "learner") -> None:
         config = {
@@ -219,12 +220,21 @@ class Stack:
             "RLFABRIC_COORDINATOR__MODEL_ROOTS": json.dumps([model_root]),
         }
 
-    def start(self, replicas: int = 1, failpoints: str = "", reward_settings: tuple[str, ...] = ()) -> None:
-        """Everything, the slow starters in parallel, then the run."""
+    def start(
+        self,
+        replicas: int = 1,
+        failpoints: str = "",
+        reward_settings: tuple[str, ...] = (),
+        replica_failpoints: dict[str, str] | None = None,
+    ) -> None:
+        """Everything, the slow starters in parallel, then the run (`failpoints` the learner's,
+        `replica_failpoints` those of the named replicas)."""
         self.start_redis()
+        armed = replica_failpoints or {}
         with ThreadPoolExecutor(4) as pool:
             jobs = [pool.submit(self.start_reward, *reward_settings)]
-            jobs += [pool.submit(self.start_replica, f"rollout-{i}") for i in range(replicas)]
+            names = [f"rollout-{i}" for i in range(replicas)]
+            jobs += [pool.submit(self.start_replica, n, failpoints=armed.get(n, "")) for n in names]
             jobs.append(pool.submit(self.start_learner, failpoints))
             for job in jobs:
                 job.result()

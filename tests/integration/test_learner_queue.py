@@ -181,6 +181,23 @@ async def test_an_entry_held_is_never_handed_out_twice(redis: aioredis.Redis, ru
     assert await pending_count(redis, run_id) == 2  # still held, acknowledged once their step is durable
 
 
+async def test_restarted_consumer_reads_its_history_once(
+    redis: aioredis.Redis, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted learner's first read takes its old pending entries and then new ones; the next read,
+    before the step is durable (nothing acknowledged), must not treat the new ones as history again."""
+    await produce(redis, run_id, 8)
+    crashed = GroupConsumer(redis, run_id, "learner-0")
+    await crashed.read(2)
+    del crashed
+    restarted = GroupConsumer(redis, run_id, "learner-0")
+    assert ids_of(await restarted.read(4)) == ["g0", "g1", "g2", "g3"]  # history, then new
+    with caplog.at_level("WARNING", logger="rlfabric.learner.queue"):
+        assert ids_of(await restarted.read(4, block_ms=10)) == ["g4", "g5", "g6", "g7"]
+    assert "delivered again while held" not in caplog.text
+    assert await pending_count(redis, run_id) == 8
+
+
 async def test_poison_entry_goes_to_dead_letter(redis: aioredis.Redis, run_id: str) -> None:
     await produce(redis, run_id, 1)
     await redis.xadd(keys.groups(run_id), {b"data": b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff garbage"})

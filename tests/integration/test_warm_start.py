@@ -21,7 +21,9 @@ from rlfabric.local.warm_start import WarmStartFailed, run_sft_file, warm_start_
 from rlfabric.runspec import RunSpec
 from rlfabric.weights import versions as store
 
-ARGS = argparse.Namespace(learner_ranks=1, compile=False, engine="transformers", replica_cores=None)
+ARGS = argparse.Namespace(
+    learner_ranks=1, compile=False, engine="transformers", replica_cores=None, learner_cores=None
+)
 STEPS = 4
 
 

@@ -134,3 +134,27 @@ def test_a_guarded_process_can_be_launched_again(tmp_path: Path) -> None:
     assert proc.stop(grace_s=10) == 0
     assert proc.pid != first
     assert (tmp_path / "o.log").read_text().count("hello") == 2
+
+
+def test_cpus_confine_the_service_and_what_it_starts(tmp_path: Path) -> None:
+    """`cpus`: the guard sets the core set before the service starts, so the service's children inherit it."""
+    core = min(os.sched_getaffinity(0))
+    child = "import os; print(sorted(os.sched_getaffinity(0)))"
+    script = "import os, subprocess, sys; print('cores', sorted(os.sched_getaffinity(0)), flush=True); "
+    script += f"subprocess.run([sys.executable, '-c', {child!r}]); print('done', flush=True)"
+    proc = ServiceProcess(
+        "pinned", [sys.executable, "-c", script], log_path=tmp_path / "p.log", guarded=True, cpus=str(core)
+    )
+    proc.start(r"done", timeout_s=30)
+    assert proc.stop(grace_s=10) == 0
+    assert (tmp_path / "p.log").read_text().splitlines()[1:] == [f"cores [{core}]", f"[{core}]", "done"]
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "1,,2", "1-"])
+def test_malformed_cpus_are_refused(text: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfabric.runtime.guard", "--cpus", text, "--", "true"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "--cpus" in result.stderr, result.stderr

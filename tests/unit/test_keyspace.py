@@ -91,6 +91,8 @@ def test_stored_keys_never_change() -> None:
         "rolled_back": "rlfabric:{run}:rolled_back",
         "redispatch": "rlfabric:{run}:redispatch",
         "replica": "rlfabric:{run}:replicas:{replica}",
+        "fleet_members": "rlfabric:fleet={fleet}:members",
+        "fleet_scaling": "rlfabric:fleet={fleet}:scaling",
     }
     assert keys.replica(None, "r0") == "rlfabric:_:replicas:r0"
     assert keys.groups("demo") == "rlfabric:demo:groups"

@@ -72,7 +72,7 @@ def test_services_expose_the_contracted_rpcs() -> None:
     def rpcs(module: object, service: str) -> set[str]:
         return {m.name for m in module.DESCRIPTOR.services_by_name[service].methods}  # type: ignore[attr-defined]
 
-    assert rpcs(rollout_pb2, "RolloutService") == {"Generate", "UpdateWeights", "GetInfo"}
+    assert rpcs(rollout_pb2, "RolloutService") == {"Generate", "UpdateWeights", "UnloadAdapter", "GetInfo"}
     assert rpcs(reward_pb2, "RewardService") == {"Score", "ListScorers", "CheckScorer"}
     assert rpcs(learner_pb2, "LearnerService") == {"GetStatus"}
     assert hasattr(rollout_pb2_grpc, "RolloutServiceServicer")

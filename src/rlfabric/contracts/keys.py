@@ -35,7 +35,7 @@ CONSUMER_GROUP = "learner"
 Kind = Literal["string", "hash", "list", "set", "zset", "stream", "channel"]
 """A key's Redis type ("channel": a pub/sub channel, which holds nothing)."""
 KeyBuilder = TypeVar("KeyBuilder", bound=Callable[..., str])
-PLACEHOLDERS = {"run_id": "{run}", "replica_id": "{replica}"}
+PLACEHOLDERS = {"run_id": "{run}", "replica_id": "{replica}", "fleet": "{fleet}"}
 """How a key function's parameters are written in its rendered pattern."""
 
 
@@ -256,8 +256,36 @@ def redispatch(run_id: str) -> str:
 
 @_key("hash", writers="rollout replicas (`registry.Heartbeat`)", readers="coordinator (`registry.discover`)")
 def replica(run_id: str | None, replica_id: str) -> str:
-    """A replica's registry entry (`ReplicaEntry`), with a TTL of 3 heartbeats; run `_` when unbound."""
+    """A replica's registry entry (`ReplicaEntry`), with a TTL of 3 heartbeats; run `_` when unbound, the
+    fleet's scope (`fleet=<name>`) for a fleet replica."""
     return _run(run_id or NO_RUN, f"replicas:{replica_id}")
+
+
+# --- shared rollout fleets -------------------------------------------------------------------------------
+
+
+def fleet_scope(fleet: str) -> str:
+    """The scope a fleet's replicas register under, in place of a run id (`replica(fleet_scope(f), id)`):
+    `fleet=<name>`, which no run id can be (`=` is not in the run-name pattern)."""
+    if not fleet or any(c.isspace() or c in ":=" for c in fleet):
+        raise ValueError(f"fleet name must be non-empty without whitespace, ':' or '=', got {fleet!r}")
+    return f"fleet={fleet}"
+
+
+@_key(
+    "hash",
+    writers="coordinator (manager: a fleet run joins when it starts, leaves when it ends)",
+    readers="fleet rollout replicas (which adapters to hold), coordinator",
+)
+def fleet_members(fleet: str) -> str:
+    """The runs generating on a fleet: run id -> `FleetMember` JSON (adapter name, weights root, weight)."""
+    return f"{PREFIX}:{fleet_scope(fleet)}:members"
+
+
+@_key("hash", writers="coordinator (fleet scheduler)", readers="coordinator (API), autoscalers")
+def fleet_scaling(fleet: str) -> str:
+    """The fleet's autoscaling signal, summed over its runs (`ScalingSignal` fields and `time`)."""
+    return f"{PREFIX}:{fleet_scope(fleet)}:scaling"
 
 
 # --- names inside the keys --------------------------------------------------------------------------------

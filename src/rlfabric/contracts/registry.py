@@ -5,14 +5,17 @@ TTL of `ttl_s`: a replica that dies without deregistering disappears when its en
 scales out appears at its first beat, so the coordinator sees scale-out and scale-in without restarts.
 A replica being removed (scale-in, SIGTERM) first marks its entry `draining`: it admits no new work and the
 coordinator sends it none, it finishes what it holds, then deletes its entry and exits. Replicas not bound
-to a run use the run id "_".
+to a run use the run id "_"; the replicas of a shared fleet use the fleet's scope
+(`keys.fleet_scope`), and list the adapters they serve (`ReplicaEntry.adapters`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +39,20 @@ class ReplicaEntry:
     engine: str
     draining: bool = False
     """Shutting down: finishing its admitted requests, admitting none (never dispatch to it)."""
+    adapters: str = ""
+    """The LoRA adapters the replica serves, as JSON `{name: version}` ("" or "{}" for none): a fleet's
+    scheduler sends a run's requests on its adapter only to replicas that hold it."""
+
+    @staticmethod
+    def encode_adapters(versions: Mapping[str, int]) -> str:
+        """`adapters` of a replica serving these adapter versions (name -> version)."""
+        return json.dumps(dict(versions), sort_keys=True)
+
+    def adapter_versions(self) -> dict[str, int]:
+        """`adapters` decoded: adapter name -> the version serving."""
+        if not self.adapters:
+            return {}
+        return {str(k): int(v) for k, v in json.loads(self.adapters).items()}
 
     @property
     def takes_work(self) -> bool:
@@ -57,6 +74,7 @@ class ReplicaEntry:
             model=data["model"],
             engine=data["engine"],
             draining=data.get("draining", "0") == "1",
+            adapters=data.get("adapters", ""),
         )
 
 

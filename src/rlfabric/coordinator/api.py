@@ -2,7 +2,11 @@
 
 Routes under /v1 need `Authorization: Bearer <token>` when `config.api.token` is set (compared in constant
 time); /healthz, /metrics, the API docs (/docs, /redoc, /openapi.json: `api_docs`, no CDN) and the HTML
-shell of the run page do not (the page's script sends the token it is given, see `page.py`). Bodies over
+shell of the run page do not (the page's script sends the token it is given, see `page.py`). Two kinds of
+token are accepted (`Caller`): the operator's `api.token`, which may do everything, and a run's own token,
+answered by `POST /v1/runs` once (`run_token`; Redis keeps only its digest, `runs.token_matches`), which
+may read and stop that run alone: another run's routes answer 403, the list of runs holds its run only,
+and submitting runs or preference builds needs the operator's (403). Bodies over
 `config.api.max_body_bytes` get 413, whether announced by Content-Length or streamed. The app only records
 runs; the pipeline manager hooks in with `on_submit` (awaited after a run is stored) and `on_stop` (awaited
 after a stop was recorded).
@@ -21,6 +25,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import cache
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, status
@@ -40,6 +46,7 @@ from rlfabric.coordinator.http_metrics import RequestMetrics
 from rlfabric.coordinator.http_tracing import RequestSpans
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.page import render_run_page
+from rlfabric.coordinator.refusal import RunRefusal, refusal_extras
 from rlfabric.coordinator.runs import (
     InvalidTransition,
     RunExists,
@@ -48,6 +55,7 @@ from rlfabric.coordinator.runs import (
     RunState,
     RunStore,
     parse_stream_id,
+    token_run_id,
 )
 from rlfabric.runspec import RUN_NAME_PATTERN, RunSpec
 from rlfabric.runtime.metrics import metrics_response
@@ -59,6 +67,14 @@ SpecCheck = Callable[[RunSpec], Awaitable[CheckReport]]
 """Checks a submitted spec against the world (`checks.SubmitCheck`); its issues refuse the run (422)."""
 
 _REQUESTS = Counter("rlfabric_coordinator_api_runs_total", "Run API actions", ["action"])
+
+
+class SubmittedRun(RunRecord):
+    """Body of `POST /v1/runs`: the stored record and the run's own token."""
+
+    run_token: str
+    """The run's bearer token: it reads and stops this run only (the operator's `api.token` does all).
+    Shown this once: the coordinator keeps only its SHA-256, and no other answer holds it."""
 
 
 class RunSummary(BaseModel):
@@ -140,7 +156,7 @@ class MetricsPage(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Body of a 401, 404, 409 or 413: what went wrong, in words (never the content of a file)."""
+    """Body of a 401, 403, 404, 409, 413 or 429: what went wrong, in words (never the content of a file)."""
 
     detail: str
 
@@ -161,6 +177,8 @@ class ValidationErrorBody(BaseModel):
 
     detail: list[FieldError]
     message: str
+    plan: dict[str, Any] | None = None
+    """With a run refused for its `resources`: its memory plan (`rlfabric plan --json`'s schema)."""
 
 
 class HealthBody(BaseModel):
@@ -174,6 +192,7 @@ class HealthBody(BaseModel):
 
 ERROR_RESPONSES: dict[int, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
+    403: {"model": ErrorBody, "description": "A run's token on another run, or on an operator-only route"},
     404: {"model": ErrorBody, "description": "No run has this id"},
     409: {"model": ErrorBody, "description": "Conflict with the run's state or name"},
     413: {"model": ErrorBody, "description": "Request body over api.max_body_bytes"},
@@ -183,21 +202,24 @@ ERROR_RESPONSES: dict[int, dict[str, Any]] = {
 """Every error the API answers, with its body model."""
 
 ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
-    "submit": (401, 409, 413, 422),
+    "submit": (401, 403, 409, 413, 422),
     "list_runs": (401, 413, 422),
-    "get_run": (401, 404, 413, 422),
-    "get_metrics": (401, 404, 413, 422),
-    "stop": (401, 404, 409, 413, 422),
+    "get_run": (401, 403, 404, 413, 422),
+    "get_metrics": (401, 403, 404, 413, 422),
+    "get_plan": (401, 403, 404, 413, 422),
+    "get_fleet": (401, 403, 413, 422),
+    "stop": (401, 403, 404, 409, 413, 422),
     "healthz": (413,),
     "prometheus": (413,),
     "run_page": (413, 422),
-    "submit_prefs_build": (401, 413, 422, 429),
-    "list_prefs_builds": (401, 413, 422),
-    "get_prefs_build": (401, 404, 413, 422),
+    "submit_prefs_build": (401, 403, 413, 422, 429),
+    "list_prefs_builds": (401, 403, 413, 422),
+    "get_prefs_build": (401, 403, 404, 413, 422),
 }
-"""The errors each route (by name) can answer: 413 from `BodyLimit` on every route, 401 on /v1."""
+"""The errors each route (by name) can answer: 413 from `BodyLimit` on every route, 401 on /v1, 403 where a
+run's token may not go (`Caller`; the list of runs shows such a token its own run instead)."""
 V1_ROUTES = frozenset(
-    {"submit", "list_runs", "get_run", "get_metrics", "stop"}
+    {"submit", "list_runs", "get_run", "get_metrics", "get_plan", "stop", "get_fleet"}
     | {"submit_prefs_build", "list_prefs_builds", "get_prefs_build"}
 )
 """The routes under /v1 (JSON answers, bearer token)."""
@@ -273,23 +295,92 @@ def _too_large(max_bytes: int) -> JSONResponse:
     return JSONResponse({"detail": _too_large_text(max_bytes)}, status.HTTP_413_CONTENT_TOO_LARGE)
 
 
-_BEARER = HTTPBearer(auto_error=False, description="The coordinator's api.token")
+def _store(request: Request) -> RunStore:
+    store: RunStore = request.app.state.store
+    return store
+
+
+Store = Annotated[RunStore, Depends(_store)]
+
+
+_BEARER = HTTPBearer(
+    auto_error=False, description="The coordinator's api.token, or a run's own token (`run_token`)"
+)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+ANOTHER_RUN = "this token belongs to another run"
+"""The 403 of a run's token on another run's route."""
+OPERATOR_ONLY = "this route needs the operator's token (api.token); a run's token cannot use it"
+"""The 403 of a run's token where only the operator's may go (submitting runs, preference builds)."""
 
 
-def bearer_auth(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency that accepts any request when `token` is None, else only `Bearer <token>`."""
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a /v1 request: the operator (`run_id` None; also everyone when no `api.token` is set), or
+    the holder of one run's token."""
 
-    async def check(credentials: Credentials) -> None:
+    run_id: str | None = None
+    """The run whose token was presented; None for the operator."""
+
+    def check_run(self, run_id: str) -> None:
+        """403 unless the caller may act on `run_id` (whether or not that run exists)."""
+        if self.run_id is not None and self.run_id != run_id:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, ANOTHER_RUN)
+
+    def check_operator(self) -> None:
+        """403 unless the caller is the operator."""
+        if self.run_id is not None:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, OPERATOR_ONLY)
+
+
+OPERATOR = Caller()
+
+
+def _unauthorized() -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+@cache
+def authenticate(token: str | None) -> Callable[..., Awaitable[Caller]]:
+    """A dependency naming the `Caller`: everyone is the operator when `token` is None; else the operator's
+    token or a run's own (both compared in constant time), 401 for anything else. One callable per token,
+    so FastAPI resolves it once per request however many dependencies name it. Those that name it give it
+    as a parameter's default (`= Depends(...)`, hence B008): an `Annotated` type naming a closure's
+    variable does not resolve under postponed annotations."""
+
+    async def caller(credentials: Credentials, store: Store) -> Caller:
         if token is None:
-            return
+            return OPERATOR
         given = credentials.credentials if credentials else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "missing or wrong bearer token",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return OPERATOR
+        run_id = token_run_id(given)
+        if run_id is not None and await store.token_matches(run_id, given):
+            return Caller(run_id)
+        raise _unauthorized()
+
+    return caller
+
+
+@cache
+def bearer_auth(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency for operator-only routes: any request when `token` is None, else only the operator's
+    token (401 for a wrong one, 403 for a run's own)."""
+
+    async def check(caller: Caller = Depends(authenticate(token))) -> None:  # noqa: B008
+        caller.check_operator()
+
+    return check
+
+
+@cache
+def run_access(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency for the routes of one run (`{run_id}` in the path): the operator, or that run's token
+    (403 for another run's)."""
+
+    async def check(run_id: RunId, caller: Caller = Depends(authenticate(token))) -> None:  # noqa: B008
+        caller.check_run(run_id)
 
     return check
 
@@ -299,17 +390,8 @@ async def validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-    return JSONResponse(
-        jsonable_encoder({"detail": errors, "message": message}), status.HTTP_422_UNPROCESSABLE_CONTENT
-    )
-
-
-def _store(request: Request) -> RunStore:
-    store: RunStore = request.app.state.store
-    return store
-
-
-Store = Annotated[RunStore, Depends(_store)]
+    body = {"detail": errors, "message": message, **refusal_extras(exc)}
+    return JSONResponse(jsonable_encoder(body), status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
 def confine(spec: RunSpec, roots: Roots) -> None:
@@ -326,7 +408,7 @@ def refuse_issues(report: CheckReport) -> None:
     """RequestValidationError (422) naming the field of each issue the run check found."""
     errors = [{"loc": ("body", *i.loc), "msg": i.message, "type": i.kind} for i in report.issues]
     if errors:
-        raise RequestValidationError(errors)
+        raise RunRefusal(errors, report)
 
 
 def run_routes(
@@ -338,40 +420,54 @@ def run_routes(
     learner_stall_s: float = LEARNER_STALL_S,
 ) -> APIRouter:
     """The /v1 routes; specs may name paths only within `roots`, and must pass `check` when given."""
-    router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))], tags=["runs"])
+    router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate(token))], tags=["runs"])
+    one_run = [Depends(run_access(token))]
 
     @router.post(
-        "/runs", status_code=status.HTTP_201_CREATED, response_model=RunRecord, responses=responses("submit")
+        "/runs",
+        status_code=status.HTTP_201_CREATED,
+        response_model=SubmittedRun,
+        responses=responses("submit"),
+        dependencies=[Depends(bearer_auth(token))],
     )
-    async def submit(spec: RunSpec, store: Store, response: Response) -> RunRecord:
-        """Accept a run spec; 409 if a run of that name exists, 422 if it names a path outside the roots
-        or fails the run check (each issue naming its field)."""
+    async def submit(spec: RunSpec, store: Store, response: Response) -> SubmittedRun:
+        """Accept a run spec (operator's token only); 409 if a run of that name exists, 422 if it names a
+        path outside the roots or fails the run check (each issue naming its field). The answer holds the
+        run's own token, `run_token`, this once."""
         confine(spec, roots)
         if check is not None:
             refuse_issues(await check(spec))
-        record = await store.create(spec)
+        record, run_token = await store.create_with_token(spec)
         _REQUESTS.labels("submit").inc()
         response.headers["Location"] = f"/v1/runs/{record.run_id}"
         if on_submit is not None:
             await _call_hook(store, record, on_submit)
-        return record
+        return SubmittedRun(**record.model_dump(), run_token=run_token)
 
     @router.get("/runs", response_model=RunList, responses=responses("list_runs"))
     async def list_runs(
         store: Store,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         state: Annotated[list[RunState] | None, Query()] = None,
+        caller: Caller = Depends(authenticate(token)),  # noqa: B008
     ) -> RunList:
-        """Runs, newest first (optionally only those in the given states)."""
-        records = await store.list(limit=limit, states=set(state) if state else None)
+        """Runs, newest first (optionally only those in the given states); a run's token sees its run only."""
+        records = await visible_runs(store, caller, limit, set(state) if state else None)
         return RunList(runs=[_summary(r) for r in records])
 
-    @router.get("/runs/{run_id}", response_model=RunStatus, responses=responses("get_run"))
+    @router.get(
+        "/runs/{run_id}", response_model=RunStatus, responses=responses("get_run"), dependencies=one_run
+    )
     async def get_run(run_id: RunId, store: Store) -> RunStatus:
         """State, progress, counters, the latest metrics row and warnings of one run."""
         return await run_status(store, run_id, learner_stall_s)
 
-    @router.get("/runs/{run_id}/metrics", response_model=MetricsPage, responses=responses("get_metrics"))
+    @router.get(
+        "/runs/{run_id}/metrics",
+        response_model=MetricsPage,
+        responses=responses("get_metrics"),
+        dependencies=one_run,
+    )
     async def get_metrics(
         run_id: RunId,
         store: Store,
@@ -388,6 +484,7 @@ def run_routes(
         status_code=status.HTTP_202_ACCEPTED,
         response_model=RunRecord,
         responses=responses("stop"),
+        dependencies=one_run,
     )
     async def stop(run_id: RunId, store: Store) -> RunRecord:
         """Ask the run to stop; 409 if it has already finished."""
@@ -398,6 +495,19 @@ def run_routes(
         return record
 
     return router
+
+
+async def visible_runs(
+    store: RunStore, caller: Caller, limit: int, states: set[RunState] | None
+) -> list[RunRecord]:
+    """The runs `caller` may see, newest first: all for the operator, else its own run (if in `states`)."""
+    if caller.run_id is None:
+        return await store.list(limit=limit, states=states)
+    try:
+        record = await store.get(caller.run_id)
+    except RunNotFound:
+        return []
+    return [record] if states is None or record.state in states else []
 
 
 async def _call_hook(store: RunStore, record: RunRecord, hook: RunHook) -> None:
@@ -526,6 +636,12 @@ def create_app(
     roots = Roots.of(config.data_roots, config.model_roots)
     stall_s = config.checks.learner_stall_s
     app.include_router(run_routes(config.api.token, roots, on_submit, on_stop, check, stall_s))
+    from rlfabric.coordinator.plan_api import add_plan_route  # it imports this module
+
+    add_plan_route(app, config.api.token)
+    from rlfabric.coordinator.fleet_api import add_fleet_route  # it imports this module
+
+    add_fleet_route(app, config.api.token)
     if config.prefs.enabled:
         from rlfabric.coordinator.prefs_api import add_prefs_builds  # it imports this module
 

@@ -19,6 +19,7 @@ from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.reward.client import AsyncRewardClient
 from rlfabric.reward.spec import ScorerProblem, spec_from_reward_spec
 from rlfabric.runspec import RewardSpec, RunSpec
+from rlfabric.runtime.hf import HF_LOCK
 from rlfabric.validate import (
     GOLD_SECTION,
     CheckReport,
@@ -106,9 +107,13 @@ async def reward_warning(config: CoordinatorServiceConfig, spec: RunSpec) -> str
 
 
 def model_issues(spec: RunSpec) -> list[SpecIssue]:
-    """What is wrong with the run's model paths and files (blocking: loads configs and tokenizers)."""
+    """What is wrong with the run's model paths and files (blocking: loads configs and tokenizers, never
+    beside a dataset read of another thread: `rlfabric.runtime.hf`)."""
     issues = [i for i in check_paths(spec).issues if i.field.startswith("model.")]
-    return issues or check_models(spec)[0].issues
+    if issues:
+        return issues
+    with HF_LOCK:
+        return check_models(spec)[0].issues
 
 
 async def model_warning(spec: RunSpec) -> str | None:

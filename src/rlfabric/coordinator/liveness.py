@@ -74,5 +74,7 @@ async def liveness_warnings(
         if waiting > 0
         else check_no_learner(step_s, idle_s, age_s, stall_s)
     )
-    lonely = check_no_replica(len(await discover(redis, run_id)), record.spec.model.path)
+    fleet = record.spec.rollout.fleet
+    scope = keys.fleet_scope(fleet) if fleet is not None else run_id  # a fleet run's replicas are the fleet's
+    lonely = check_no_replica(len(await discover(redis, scope)), record.spec.model.path)
     return [w for w in (learner, lonely) if w]

@@ -9,6 +9,10 @@ A progress task mirrors the learner's latest step and version into the run recor
 `health.auto_stop` checks, a health task stops the run when one triggers (keeping the last good checkpoint);
 a liveness task logs each warning of a run that waits (no replica, no learner, no reward service, a model
 that does not load) when it appears, within `checks.interval_s`.
+A run on a shared rollout fleet (`rollout.fleet`) joins the fleet's members (`contracts.fleet`) before its
+pipeline starts, and leaves in every ending (completed, stopped, failed, or the coordinator shutting down),
+so the fleet's replicas free its adapter slot; its pipeline generates through the coordinator's one
+`FleetScheduler` of that fleet, shared with the fleet's other runs.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import asyncio
 import logging
 from typing import Any
 
-from rlfabric.contracts import keys
+from rlfabric.contracts import fleet, keys
 from rlfabric.contracts.keys import StopReason
 from rlfabric.coordinator.checks import model_warning, reward_warning
 from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.fleet import FleetScheduler
 from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.offline import watch_offline
@@ -28,6 +33,7 @@ from rlfabric.coordinator.pipeline import RunPipeline
 from rlfabric.coordinator.runs import InvalidTransition, RunRecord, RunState, RunStore
 from rlfabric.data import DatasetError
 from rlfabric.runtime.aio import cancel_point
+from rlfabric.weights.adapters import run_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,8 @@ class RunManager:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.logged: dict[str, set[str]] = {}
         """Each run's liveness warnings at the last look (a warning is logged when it appears)."""
+        self.fleets: dict[str, FleetScheduler] = {}
+        """The scheduler of each shared fleet a run of this coordinator used, by fleet name."""
 
     async def resume(self) -> None:
         """Picks up the runs a previous coordinator left pending or running."""
@@ -78,6 +86,7 @@ class RunManager:
                 helper.cancel()
             self.tasks.pop(run_id, None)
             self.logged.pop(run_id, None)
+            await self.leave_fleet(record)
         # nx: a health stop already told the learner "health" (stop at once, no further checkpoint)
         await self.redis.set(keys.stop_requested(run_id), StopReason(state).value, nx=True)
         await self.sync_progress(run_id)
@@ -92,6 +101,7 @@ class RunManager:
         stop = lambda: self.store.stop_requested(record.run_id)  # noqa: E731
         if record.spec.mode != "online":
             return await watch_offline(self.redis, record.run_id, record.spec, stop)
+        await self.join_fleet(record)
         pipeline = RunPipeline(
             record.run_id,
             record.spec,
@@ -101,8 +111,42 @@ class RunManager:
             self.config.scaling,
             reward_token=self.config.reward_token,
             rollout_token=self.config.rollout_token,
+            fleet=self.fleet_scheduler(record.spec.rollout.fleet),
         )
         return await pipeline.run(stop)
+
+    def fleet_scheduler(self, name: str | None) -> FleetScheduler | None:
+        """The coordinator's scheduler of fleet `name` (created at its first use); None without a fleet."""
+        if name is None:
+            return None
+        if name not in self.fleets:
+            scheduler = FleetScheduler(self.redis, name, self.config.scaling, token=self.config.rollout_token)
+            self.fleets[name] = scheduler
+        return self.fleets[name]
+
+    async def join_fleet(self, record: RunRecord) -> None:
+        """Makes a run on a shared fleet one of its members (its replicas then load the run's adapter from
+        the run's weights root)."""
+        spec = record.spec
+        if spec.rollout.fleet is None:
+            return
+        weights_root = spec.weights_root(record.run_id)  # where the run's learner publishes
+        member = fleet.FleetMember(
+            record.run_id, run_adapter_name(record.run_id), weights_root, spec.rollout.fleet_weight
+        )
+        await fleet.join(self.redis, spec.rollout.fleet, member)
+        log.info("run %s joined fleet %s", record.run_id, spec.rollout.fleet)
+
+    async def leave_fleet(self, record: RunRecord) -> None:
+        """Takes an ended run off its fleet's members (a no-op for a run on its own replicas)."""
+        name = record.spec.rollout.fleet
+        if name is None:
+            return
+        try:
+            await fleet.leave(self.redis, name, record.run_id)
+            log.info("run %s left fleet %s", record.run_id, name)
+        except Exception:  # Redis unreachable: the member stays listed until a later coordinator's cleanup
+            log.warning("run %s could not leave fleet %s", record.run_id, name, exc_info=True)
 
     async def mirror_progress(self, run_id: str) -> None:
         while True:

@@ -2,9 +2,10 @@
 
 One self-contained HTML file (`static/run.html`: inline CSS and JS, charts drawn on <canvas>, no external
 requests) that polls `/v1/runs/{id}` and `/v1/runs/{id}/metrics?since=` every 2 s. The HTML shell needs
-no token; the data does. Open the page as `/runs/<id>#token=<token>` (the fragment never reaches the
-server or its logs) or `/runs/<id>?token=<token>`: the script keeps the token in sessionStorage, removes it
-from the address bar and sends it as `Authorization: Bearer`. Without one, a 401 shows a token field.
+no token; the data does: the operator's or the run's own (`run_token`; another run's gets 403, shown as
+the error). Open the page as `/runs/<id>#token=<token>` (the fragment never reaches the server or its
+logs) or `/runs/<id>?token=<token>`: the script keeps the token in sessionStorage, removes it from the
+address bar and sends it as `Authorization: Bearer`. Without one, a 401 shows a token field.
 """
 
 from __future__ import annotations

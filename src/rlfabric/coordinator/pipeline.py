@@ -5,7 +5,9 @@
                    queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step
       2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
       3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
-                   only once it serves the learner's latest announced version
+                   only once it serves the learner's latest announced version (a run on a shared fleet:
+                   to one of the fleet's replicas serving its adapter, when the fleet's scheduler grants
+                   the run a slot by weighted fair share, `fleet.FleetScheduler`)
       4. score     the group's n completions in one Score call
       5. enqueue   the ScoredGroup, exactly once per group id (`streams.GroupProducer`: mark + XADD +
                    clear in-flight in one script), with backpressure on the undelivered backlog; or drop
@@ -42,6 +44,7 @@ from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, und
 from rlfabric.contracts.trajectory import FAILED_STATUSES
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, chat_prompt, load_prompt_sets
 from rlfabric.coordinator.evaluation import Evaluator
+from rlfabric.coordinator.fleet import FleetLane, FleetScheduler
 from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
 from rlfabric.coordinator.replicas import ReplicaPool
 from rlfabric.coordinator.runs import RunNotFound, RunState, RunStore
@@ -50,7 +53,9 @@ from rlfabric.coordinator.scaling import (
     ScalingConfig,
     ScalingSignal,
     clear_scaling_gauges,
+    export_queue_gauges,
     export_scaling_gauges,
+    learner_queue,
     scaling_signal,
 )
 from rlfabric.coordinator.scoring import GroupScorer
@@ -59,6 +64,7 @@ from rlfabric.runspec import RunSpec, SamplingSpec
 from rlfabric.runtime import telemetry
 from rlfabric.runtime.aio import cancel_point
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
+from rlfabric.weights.adapters import run_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +153,12 @@ class RunPipeline:
         *,
         reward_token: str | None = None,
         rollout_token: str | None = None,
+        fleet: FleetScheduler | None = None,
     ) -> None:
         self.run_id, self.spec, self.redis = run_id, spec, redis
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
-        self.replicas = ReplicaPool(
-            redis, run_id, spec.rollout.max_in_flight_per_replica, self.meter, token=rollout_token
-        )
+        self.replicas = self.rollout_slots(fleet, rollout_token)
         self.producer = GroupProducer(redis, run_id, max_stream_length, poll_s=ENQUEUE_POLL_S)
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.drop_once = redis.register_script(DROP_ONCE)
@@ -174,6 +179,20 @@ class RunPipeline:
             )  # fmt: skip
         gold = self.gold_scorer.score if self.gold_scorer is not None else None
         self.evaluator = Evaluator(self, self.scorer.score, gold)
+
+    def rollout_slots(self, fleet: FleetScheduler | None, token: str | None) -> ReplicaPool | FleetLane:
+        """Where the run generates: the run's own replicas, or its lane on the shared fleet its spec names
+        (`fleet`: the coordinator's scheduler of that fleet, shared with the fleet's other runs; one of the
+        pipeline's own when not given)."""
+        rollout = self.spec.rollout
+        if rollout.fleet is None:
+            return ReplicaPool(
+                self.redis, self.run_id, rollout.max_in_flight_per_replica, self.meter, token=token
+            )
+        scheduler = fleet or FleetScheduler(self.redis, rollout.fleet, self.scaling, token=token)
+        return scheduler.lane(
+            self.run_id, rollout.fleet_weight, rollout.max_in_flight_per_replica, self.admit_bound, self.meter
+        )
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -196,7 +215,7 @@ class RunPipeline:
     # --- the loop ---------------------------------------------------------------------------------
 
     async def run(self, stop: Callable[[], Awaitable[bool]]) -> RunState:
-        sets = load_prompt_sets(self.spec.dataset)
+        sets = await asyncio.to_thread(load_prompt_sets, self.spec.dataset)  # other runs go on meanwhile
         log.info(
             "run %s: %d training prompts, %d evaluation prompts (%s)",
             self.run_id, len(sets.train), len(sets.evaluation), sets.eval_source,
@@ -418,14 +437,23 @@ class RunPipeline:
         task = {**row.metadata, "reference": row.reference, **named, "prompt": chat_prompt(row, data)}
         return json.dumps(task, default=str)
 
+    def adapter_for(self, version: int) -> str:
+        """The replicas' adapter a request at policy `version` names: the run's own (named after the run)
+        once the learner has published one, when the run publishes LoRA adapters; "" (the base) otherwise.
+        Version 0 of an adapter is the base itself (LoRA starts with B = 0), so it is served by the base."""
+        adapter = self.spec.model.published_adapter is not None and version > 0
+        return run_adapter_name(self.run_id) if adapter else ""
+
     async def generate(
         self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
     ) -> list[rollout_pb2.GeneratedSample]:
-        """One Generate call on the least-loaded replica (`sampling`: the run's unless given). ReplicaFailed
+        """One Generate call on the least-loaded replica (`sampling`: the run's unless given; on a shared
+        fleet, a replica that serves the request's adapter, when the run's fair share allows). ReplicaFailed
         when the replica failed (it is excluded for a while), InvalidPrompt when it refused the prompt itself
         (not the replica's fault)."""
         latest = int(await self.redis.get(keys.version(self.run_id)) or 0)  # the learner's announced version
-        address = await self.replicas.acquire()
+        adapter = self.adapter_for(latest)
+        address = await self.replicas.acquire(adapter)
         request = rollout_pb2.GenerateRequest(
             request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
             min_policy_version=latest,
@@ -437,6 +465,7 @@ class RunPipeline:
                 )
             ],
             sampling=wire.sampling_to_proto(sampling or self.spec.rollout.sampling),
+            adapter=adapter,
         )
         if self.spec.environment is not None:
             env = self.spec.environment
@@ -534,5 +563,6 @@ class RunPipeline:
             try:
                 fields = {k: str(v) for k, v in signal.as_dict().items()}
                 await self.redis.hset(keys.scaling(self.run_id), mapping={**fields, "time": str(time.time())})
+                export_queue_gauges(self.run_id, await learner_queue(self.redis, self.run_id))
             except Exception:  # tolerated: Redis restarting; the next interval writes again
                 log.warning("could not store the scaling signal", exc_info=True)

@@ -5,8 +5,9 @@
     GET  /v1/prefs/builds/{id}     state, the version (id and folder) once done, its summary, the error
 
 The body is validated as the pipeline file is (`prefs.spec.PipelineSpec`) and then against the operator's
-limits (`prefs_limits`); either answers 422 naming each field. The bearer token and body limit are the run
-routes'. Builds run as child processes (`prefs_builds.PrefsBuilds`).
+limits (`prefs_limits`); either answers 422 naming each field. The body limit is the run routes'; the
+bearer token is the operator's alone (`api.bearer_auth`: a run's own token gets 403). Builds run as child
+processes (`prefs_builds.PrefsBuilds`).
 """
 
 from __future__ import annotations

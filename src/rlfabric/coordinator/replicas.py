@@ -78,7 +78,10 @@ class ReplicaPool:
         ]
         return min(ready, key=lambda a: self.load[a]) if ready else None
 
-    async def acquire(self) -> str:
+    async def acquire(self, adapter: str = "") -> str:
+        """The least-loaded replica with a free slot (waiting for one). Every replica of the run serves
+        the run's adapter, so `adapter` (the request's, as a fleet's lane needs it) does not matter here."""
+        del adapter
         async with self.changed:
             self.waiting += 1
             try:

@@ -6,10 +6,16 @@ index of runs, each run's record, counters, metrics stream and scaling signal (`
 
 State changes are check-and-set transactions (WATCH/MULTI), so two writers never move a run along an
 illegal transition. A finished run (completed, failed, stopped) never changes state again.
+
+Each run gets a bearer token of its own when it is stored (`create_with_token`): `<run id>.<secret>`,
+handed out once; the record's hash keeps only its SHA-256 (`TOKEN_DIGEST_FIELD`, never part of
+`RunRecord`), so nothing read back from Redis can act as the token.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -25,7 +31,7 @@ from redis.asyncio.client import Pipeline
 from rlfabric.contracts import keys
 from rlfabric.contracts.keys import Counter
 from rlfabric.contracts.metrics import decode_row
-from rlfabric.runspec import RunSpec
+from rlfabric.runspec import RUN_NAME_PATTERN, RunSpec
 
 
 class RunState(StrEnum):
@@ -68,6 +74,13 @@ STREAM_ID_PART_MAX = 2**64 - 1
 """Each part of a Redis stream id (`<ms>-<seq>`) is an unsigned 64-bit integer."""
 LAST_STREAM_ID = (STREAM_ID_PART_MAX, STREAM_ID_PART_MAX)
 """The largest stream id: no entry can follow it."""
+TOKEN_DIGEST_FIELD = "token_sha256"
+"""The field of a run's record hash (`keys.run`) holding the SHA-256 (hex) of the run's own token."""
+TOKEN_SEPARATOR = "."
+"""Between the run id and the secret in a run token (the secret, URL-safe base64, never holds it)."""
+TOKEN_SECRET_BYTES = 32
+"""Random bytes in a run token's secret."""
+_RUN_ID = re.compile(RUN_NAME_PATTERN)
 
 
 class RunError(Exception):
@@ -177,6 +190,24 @@ def _decode(raw: Mapping[Any, Any]) -> RunRecord:
     )
 
 
+def new_run_token(run_id: str) -> str:
+    """A fresh token for the run: `<run id>.<secret>` (the id tells the API whose digest to compare)."""
+    return f"{run_id}{TOKEN_SEPARATOR}{secrets.token_urlsafe(TOKEN_SECRET_BYTES)}"
+
+
+def token_digest(token: str) -> str:
+    """The SHA-256 (hex) of a token: what the record keeps."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_run_id(token: str) -> str | None:
+    """The run a token names (`new_run_token`'s form), None when it cannot be a run token."""
+    run_id, separator, secret = token.rpartition(TOKEN_SEPARATOR)
+    if not separator or not secret or _RUN_ID.match(run_id) is None:
+        return None
+    return run_id
+
+
 def new_run_id() -> str:
     """A short unique id that also matches the run-name pattern, e.g. `run-3f9a0c1d`."""
     return f"run-{secrets.token_hex(4)}"
@@ -192,6 +223,11 @@ class RunStore:
 
     async def create(self, spec: RunSpec) -> RunRecord:
         """Stores a new pending run. The id is `spec.name` when given (RunExists if taken), else generated."""
+        record, _ = await self.create_with_token(spec)
+        return record
+
+    async def create_with_token(self, spec: RunSpec) -> tuple[RunRecord, str]:
+        """`create`, also returning the run's own token (only its digest is stored: show it now or never)."""
         if spec.name is not None:
             return await self._insert(spec.name, spec)
         while True:
@@ -200,8 +236,9 @@ class RunStore:
             except RunExists:
                 continue  # a collision of 32 random bits: draw again
 
-    async def _insert(self, run_id: str, spec: RunSpec) -> RunRecord:
+    async def _insert(self, run_id: str, spec: RunSpec) -> tuple[RunRecord, str]:
         now = _now()
+        token = new_run_token(run_id)
         record = RunRecord(
             run_id=run_id,
             name=run_id,
@@ -214,11 +251,20 @@ class RunStore:
             if await pipe.exists(keys.run(run_id)):
                 raise RunExists(f"a run named {run_id!r} already exists")
             pipe.multi()
-            pipe.hset(keys.run(run_id), mapping=_encode(record))  # type: ignore[arg-type]
+            fields = {**_encode(record), TOKEN_DIGEST_FIELD: token_digest(token)}
+            pipe.hset(keys.run(run_id), mapping=fields)  # type: ignore[arg-type]
             pipe.zadd(keys.runs_index(), {run_id: now.timestamp()})
 
         await self.redis.transaction(write, keys.run(run_id))
-        return record
+        return record, token
+
+    async def token_matches(self, run_id: str, token: str) -> bool:
+        """True when `token` is the run's own (digests compared in constant time); False for a run without
+        one or no run at all."""
+        stored = await self.redis.hget(keys.run(run_id), TOKEN_DIGEST_FIELD)  # type: ignore[misc]
+        if stored is None:
+            return False
+        return hmac.compare_digest(token_digest(token).encode(), _text(stored).encode())
 
     async def get(self, run_id: str) -> RunRecord:
         """The run's record; RunNotFound if there is none."""

@@ -1,8 +1,10 @@
 """`rlfabric runs submit|list|status|stop`: a client of the coordinator's REST API.
 
 The API address comes from `--url` (default $RLFABRIC_API_URL, else http://127.0.0.1:8000) and the bearer
-token from `--token` (default $RLFABRIC_API_TOKEN). Exit status: 0 on success, 1 when the API answers
-with an error (its message is printed), 2 when it cannot be reached or the run file cannot be read.
+token from `--token` (default $RLFABRIC_API_TOKEN): the operator's `api.token`, or a run's own token,
+which `submit` prints once (to stderr, beside the page) and which lists, shows and stops that run alone.
+Exit status: 0 on success, 1 when the API answers with an error (its message is printed), 2 when it
+cannot be reached or the run file cannot be read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+RUN_TOKEN_LINE = "run token (shown once; it reads and stops this run only): "
+"""What `submit` prints before the run's own token."""
 
 
 class ApiError(Exception):
@@ -27,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=os.environ.get("RLFABRIC_API_URL", DEFAULT_URL), help="API URL")
     common.add_argument(
-        "--token", default=os.environ.get("RLFABRIC_API_TOKEN"), help="bearer token ($RLFABRIC_API_TOKEN)"
+        "--token",
+        default=os.environ.get("RLFABRIC_API_TOKEN"),
+        help="bearer token: the operator's, or a run's own ($RLFABRIC_API_TOKEN)",
     )
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -82,7 +88,8 @@ def _error_text(response: httpx.Response) -> str:
 
 
 def submit(client: httpx.Client, args: argparse.Namespace) -> int:
-    """POST the run file; prints the run id and the page URL."""
+    """POST the run file; prints the run id (stdout), then the page URL and the run's own token (stderr:
+    shown this once, the coordinator keeps only its digest)."""
     from rlfabric.runtime.config import read_file
 
     spec = read_file(args.run_file)
@@ -91,6 +98,8 @@ def submit(client: httpx.Client, args: argparse.Namespace) -> int:
     record = _call(client, "POST", "/v1/runs", json=spec)
     print(record["run_id"])
     print(f"page: {client.base_url}/runs/{record['run_id']}", file=sys.stderr)
+    if record.get("run_token"):
+        print(RUN_TOKEN_LINE + record["run_token"], file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,10 @@ Whoever scales clamps `desired` between its own minimum and maximum: `rlfabric u
 --max-replicas` locally, KEDA's minReplicaCount / maxReplicaCount on a cluster (the coordinator exports
 the same numbers as Prometheus gauges). When generation is the bottleneck every replica stays busy and
 the run asks for more; when the learner is, the lag bound idles the replicas and the run asks for fewer.
+
+The runs of a shared rollout fleet (`rollout.fleet`) also add up to the fleet's signal: the same fields
+over the fleet's replicas and the sum of its runs' demand (`fleet.FleetScheduler`), exported as the
+`rlfabric_coordinator_fleet_*` gauges labelled `fleet`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
+from rlfabric.contracts import keys
+from rlfabric.contracts.streams import group_info
 from rlfabric.coordinator.config import ScalingConfig
 
 
@@ -171,6 +178,55 @@ _REPLICAS = Gauge("rlfabric_coordinator_serving_replicas", "Serving replicas the
 _IN_FLIGHT = Gauge("rlfabric_coordinator_in_flight_groups", "Groups dispatched, not yet returned", ["run_id"])
 
 
+_QUEUE = Gauge(
+    "rlfabric_coordinator_learner_queue_groups",
+    "Scored groups in the run's Redis stream: not yet delivered to the learner, or delivered and not yet "
+    "trimmed",
+    ["run_id"],
+)
+_QUEUE_LAG = Gauge(
+    "rlfabric_coordinator_learner_queue_lag_groups",
+    "Scored groups in the run's Redis stream not yet delivered to the learner (the consumer group's lag)",
+    ["run_id"],
+)
+_QUEUE_PENDING = Gauge(
+    "rlfabric_coordinator_learner_queue_pending_groups",
+    "Scored groups delivered to the learner and not yet acknowledged (trained or dropped)",
+    ["run_id"],
+)
+_GAUGES = (_BACKLOG, _BUSY, _DESIRED, _REPLICAS, _IN_FLIGHT, _QUEUE, _QUEUE_LAG, _QUEUE_PENDING)
+
+
+@dataclass(frozen=True)
+class LearnerQueue:
+    """The depth of a run's groups stream (`keys.groups`), the queue between the coordinator and the
+    learner: `undelivered + pending <= entries` (the rest are acknowledged and wait for the next trim)."""
+
+    entries: int
+    """XLEN of the stream."""
+    undelivered: int
+    """The learner consumer group's lag (entries never delivered); counted to `entries` when Redis cannot
+    tell (nil lag after a deletion)."""
+    pending: int
+    """Entries delivered to the learner and not yet acknowledged."""
+
+
+async def learner_queue(redis: aioredis.Redis, run_id: str) -> LearnerQueue:
+    """The stream's depth now (all 0 before the first group is enqueued)."""
+    entries = int(await redis.xlen(keys.groups(run_id)))
+    if entries == 0:  # nothing pending either: only acknowledged entries are ever trimmed
+        return LearnerQueue(0, 0, 0)
+    info = await group_info(redis, run_id)
+    lag = info.get("lag")
+    return LearnerQueue(entries, entries if lag is None else int(lag), int(info.get("pending") or 0))
+
+
+def export_queue_gauges(run_id: str, queue: LearnerQueue) -> None:
+    _QUEUE.labels(run_id).set(queue.entries)
+    _QUEUE_LAG.labels(run_id).set(queue.undelivered)
+    _QUEUE_PENDING.labels(run_id).set(queue.pending)
+
+
 def export_scaling_gauges(run_id: str, signal: ScalingSignal) -> None:
     _BACKLOG.labels(run_id).set(signal.backlog_groups)
     _BUSY.labels(run_id).set(signal.busy_fraction)
@@ -179,8 +235,56 @@ def export_scaling_gauges(run_id: str, signal: ScalingSignal) -> None:
     _IN_FLIGHT.labels(run_id).set(signal.in_flight_groups)
 
 
+_FLEET_BACKLOG = Gauge(
+    "rlfabric_coordinator_fleet_backlog_groups",
+    "Groups of the fleet's runs admitted by their policy-lag bounds and waiting for a free slot on the fleet",
+    ["fleet"],
+)
+_FLEET_BUSY = Gauge(
+    "rlfabric_coordinator_fleet_replica_busy_ratio",
+    "Mean share (0-1) of the recent window the fleet's serving replicas had work in flight (any run's)",
+    ["fleet"],
+)
+_FLEET_DESIRED = Gauge(
+    "rlfabric_coordinator_fleet_desired_replicas",
+    "Rollout replicas the fleet's runs want together (the fleet's autoscaling target; clamp it)",
+    ["fleet"],
+)
+_FLEET_REPLICAS = Gauge(
+    "rlfabric_coordinator_fleet_serving_replicas",
+    "Serving replicas of the fleet the coordinator sees",
+    ["fleet"],
+)
+_FLEET_IN_FLIGHT = Gauge(
+    "rlfabric_coordinator_fleet_in_flight_groups",
+    "Groups of the fleet's runs dispatched to its replicas, not yet returned",
+    ["fleet"],
+)
+_FLEET_GAUGES = (_FLEET_BACKLOG, _FLEET_BUSY, _FLEET_DESIRED, _FLEET_REPLICAS, _FLEET_IN_FLIGHT)
+
+
+def export_fleet_gauges(fleet: str, signal: ScalingSignal) -> None:
+    """A shared fleet's signal (summed over its runs), as the run gauges but labelled `fleet`."""
+    values = (
+        signal.backlog_groups,
+        signal.busy_fraction,
+        signal.desired_replicas,
+        signal.replicas,
+        signal.in_flight_groups,
+    )
+    for gauge, value in zip(_FLEET_GAUGES, values, strict=True):
+        gauge.labels(fleet).set(value)
+
+
+def clear_fleet_gauges(fleet: str) -> None:
+    """A fleet without runs on it asks for nothing: its series disappear from /metrics."""
+    for gauge in _FLEET_GAUGES:
+        with contextlib.suppress(KeyError):
+            gauge.remove(fleet)
+
+
 def clear_scaling_gauges(run_id: str) -> None:
     """A finished run stops asking for replicas: its series disappear from /metrics."""
-    for gauge in (_BACKLOG, _BUSY, _DESIRED, _REPLICAS, _IN_FLIGHT):
+    for gauge in _GAUGES:
         with contextlib.suppress(KeyError):
             gauge.remove(run_id)

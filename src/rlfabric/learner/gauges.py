@@ -31,6 +31,10 @@ _SPECS: dict[str, tuple[str, str]] = {
     "tokens": ("rlfabric_learner_step_tokens", "Tokens trained on in the last step"),
     "samples": ("rlfabric_learner_step_samples", "Samples trained on in the last step"),
     "step_seconds": ("rlfabric_learner_step_duration_seconds", "Wall time of the last step"),
+    "memory_peak_bytes": (
+        "rlfabric_learner_memory_peak_bytes",
+        "Peak memory of learner rank 0 so far: process RSS on CPU, allocated CUDA memory on a GPU",
+    ),
     "tokens_per_s": ("rlfabric_learner_tokens_per_second", "Trained tokens per second in the last step"),
     "publish_seconds": (
         "rlfabric_learner_weight_publish_duration_seconds",

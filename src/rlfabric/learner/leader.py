@@ -42,6 +42,7 @@ from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints
 from rlfabric.runtime.grpc_server import GrpcServer, check_bearer, full_service_name, options_from_config
 from rlfabric.v1 import learner_pb2, learner_pb2_grpc
+from rlfabric.weights import adapters
 from rlfabric.weights import versions as store
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,22 @@ class Publisher:
     ) -> float:
         start = time.perf_counter()
         store.publish_version(self.paths.weights_root, version, state_dict, metadata=metadata)
+        return await self._announce(version, start)
+
+    async def publish_adapter(
+        self,
+        version: int,
+        adapter: dict[str, torch.Tensor],
+        peft_config: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+    ) -> float:
+        """Publishes a LoRA adapter alone as `version` (`rlfabric.weights.adapters`), then announces it."""
+        start = time.perf_counter()
+        adapters.publish_adapter(self.paths.weights_root, version, adapter, peft_config, metadata=metadata)
+        return await self._announce(version, start)
+
+    async def _announce(self, version: int, start: float) -> float:
+        """Prunes old versions and announces `version` in Redis; returns the seconds since `start`."""
         store.prune(self.paths.weights_root, keep=self.keep)
         await self.redis.set(keys.version(self.run_id), version)
         await self.redis.publish(keys.versions(self.run_id), version)

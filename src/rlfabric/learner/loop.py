@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 from opentelemetry import context as otel_context
 
 from rlfabric.contracts import wire
@@ -38,15 +39,25 @@ from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.dist import World, broadcast_flag, share_payloads
 from rlfabric.learner.export import drop_tied_head
 from rlfabric.learner.leader import Leader
+from rlfabric.learner.lora import adapter_config
 from rlfabric.learner.outputs import RunPaths
 from rlfabric.learner.queue import AppliedLedger, Delivery
 from rlfabric.learner.restart import checkpoint, restore
 from rlfabric.learner.samples import component_means, trajectory_means
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints, telemetry
+from rlfabric.runtime.memory import peak_rss_bytes
 from rlfabric.v1 import learner_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: allocated CUDA memory on a GPU (what the planner predicts there),
+    else the process's peak RSS (`runtime.memory.peak_rss_bytes`: its own, never its parent's)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
 
 
 class TrainingLoop:
@@ -128,6 +139,7 @@ class TrainingLoop:
         metrics.update(component_means(groups))
         metrics.update(trajectory_means(groups))
         metrics["step_seconds"] = time.perf_counter() - start
+        metrics["memory_peak_bytes"] = float(peak_memory_bytes(self.trainer.device))
         self.ledger.update(g.group_id for g in groups)
         self.applied_log.extend([self.trainer.step, g.group_id] for g in groups)
         self.pending.extend(d.entry_id for d in deliveries or [])
@@ -163,7 +175,14 @@ class TrainingLoop:
             metrics["publish_seconds"] = seconds
 
     async def publish_weights(self, version: int, metadata: dict[str, Any] | None = None) -> float:
-        """Collective: gathers the full weights; rank 0 publishes them as `version` (returns its seconds)."""
+        """Collective: gathers the full weights (or with `model.lora.publish = "adapter"` the adapter alone);
+        rank 0 publishes them as `version` (returns its seconds)."""
+        if self.spec.model.published_adapter is not None:
+            adapter = await asyncio.to_thread(self.trainer.adapter_state_dict)
+            if self.leader is None:
+                return 0.0
+            config = adapter_config(self.trainer.model)
+            return await self.leader.publisher.publish_adapter(version, adapter, config, metadata)
         state_dict = drop_tied_head(
             self.trainer.model.config, await asyncio.to_thread(self.trainer.full_state_dict)
         )

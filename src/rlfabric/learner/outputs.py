@@ -37,7 +37,7 @@ class RunPaths:
     @classmethod
     def of(cls, config: LearnerServiceConfig) -> RunPaths:
         run_dir = Path(config.run.output_dir) / config.run_id
-        return cls(run_dir, config.run.weights.url or str(run_dir / "weights"))
+        return cls(run_dir, config.run.weights_root(config.run_id))
 
 
 def write_metrics(path: Path, row: dict[str, Any]) -> None:

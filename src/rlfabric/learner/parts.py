@@ -18,7 +18,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from rlfabric.learner.algorithms import entropy_from_logits
 from rlfabric.learner.dist import reshard, shard_model
-from rlfabric.runspec import OptimSpec, RunSpec
+from rlfabric.learner.lora import add_adapters
+from rlfabric.runspec import LoraSpec, OptimSpec, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ def load_model(
     checkpointing: bool,
     compile_blocks: bool = False,
     reward_head: bool = False,
+    lora: LoraSpec | None = None,
 ) -> nn.Module:
     """A causal LM from `path` with float32 master weights on `device`, sharded with FSDP2; with
     `compile_blocks` its element-wise blocks compiled (`compile_elementwise_blocks`). With `reward_head`
     the model is loaded as a sequence classifier with one label instead (the LM head dropped, a scalar
-    `score` head newly initialised from the torch RNG: seed it alike on every rank)."""
+    `score` head newly initialised from the torch RNG: seed it alike on every rank). With `lora` (a trainable
+    policy) only LoRA adapters added to it train (`rlfabric.learner.lora`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     options: dict[str, Any] = {"num_labels": 1} if reward_head else {}
@@ -58,6 +61,8 @@ def load_model(
     module: nn.Module = model
     module.requires_grad_(trainable)
     module.train(trainable)
+    if lora is not None and trainable:
+        module = add_adapters(module, lora)  # freezes the base weights
     module.to(device)
     if not trainable and dist.get_world_size() == 1:
         # A frozen model in a world of one: nothing to shard and no master weights to keep, so its

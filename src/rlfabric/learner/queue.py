@@ -317,10 +317,11 @@ class GroupConsumer:
             CONSUMER_GROUP, self.name, {self.key: self._history_cursor}, count
         )
         raw = _stream_entries(reply)
-        if not raw:
-            self._history_cursor = None
-            return []
-        self._history_cursor = as_str(raw[-1][0])
+        # A short read is the end of the history. The cursor must stop there: the same `read` goes on to
+        # claim and read new entries into this consumer's pending list, after the cursor, and a later
+        # history read would deliver them again while they are held (a resumed run once trained three
+        # groups twice in one step this way).
+        self._history_cursor = as_str(raw[-1][0]) if len(raw) == count else None
         return await self._with_delivery_counts(raw, reclaimed=False)
 
     async def _reclaim(self, count: int) -> list[_Entry]:
@@ -359,9 +360,9 @@ class GroupConsumer:
     async def _admit(self, entry: _Entry) -> Delivery | None:
         """Turns a raw entry into a trainable Delivery, or dead-letters / skips it and returns None."""
         if entry.entry_id in self._in_flight:
-            # Held already, not yet acknowledged: handing it out again would train it twice (the ledger
-            # once caught a resumed run training three groups twice in one step; the path that delivered
-            # the held entries again was not found, so this guard is kept whatever that path is).
+            # Held already, not yet acknowledged: handing it out again would train it twice. The one path
+            # known to do it (the history cursor running past the history) is closed in `_own_history`;
+            # this guard stays for any other.
             _log.warning("entry %s delivered again while held; not handed out twice", entry.entry_id)
             return None
         self.counters.read += 1

@@ -1,4 +1,5 @@
-"""Experiment trackers: rank 0's mirror of a run on Weights & Biases (`[tracking.wandb]` in the run spec).
+"""Experiment trackers: rank 0's mirror of a run on Weights & Biases and MLflow (`[tracking.wandb]`,
+`[tracking.mlflow]` in the run spec; the MLflow tracker is in `tracking_mlflow.py`).
 
 A tracker receives, from `Trackers`:
 - at start, the run spec as its config, with the model and dataset the run trains from (`run_versions`:
@@ -21,12 +22,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlfabric.learner.tracking_mlflow import MlflowTracker
 from rlfabric.runspec import RunSpec, TrackingSpec, WandbSpec
 
 log = logging.getLogger(__name__)
 
 NOT_METRICS = ("step", "time")
 """Numeric row fields that are axes, not metrics."""
+WANDB = "wandb"
+"""The W&B tracker's name: its spec field, package and extra."""
+MLFLOW = "mlflow"
+"""The MLflow tracker's name: its spec field, package and extra."""
 CURVES = "curves.png"
 """The plot of the run's curves, in the run directory (the file `rlfabric up` leaves there too)."""
 
@@ -37,11 +43,12 @@ class TrackingUnavailable(ValueError):
 
 def require_trackers(tracking: TrackingSpec) -> None:
     """`TrackingUnavailable` unless every tracker `tracking` asks for can be imported."""
-    if tracking.wandb is not None and importlib.util.find_spec("wandb") is None:
-        raise TrackingUnavailable(
-            "tracking.wandb: the wandb package is not installed; install the extra: "
-            "pip install 'rlfabric[wandb]'"
-        )
+    for name, asked in ((WANDB, tracking.wandb), (MLFLOW, tracking.mlflow)):
+        if asked is not None and importlib.util.find_spec(name) is None:
+            raise TrackingUnavailable(
+                f"tracking.{name}: the {name} package is not installed; install the extra: "
+                f"pip install 'rlfabric[{name}]'"
+            )
 
 
 def run_versions(spec: RunSpec, run_id: str, dataset_version: str | None) -> dict[str, str]:
@@ -80,7 +87,7 @@ class Tracker(Protocol):
 class WandbTracker:
     """A W&B run whose id is the run id (`resume="allow"`: a restarted learner continues it)."""
 
-    name = "wandb"
+    name = WANDB
 
     def __init__(self, spec: WandbSpec, run_dir: Path, config: dict[str, Any], versions: dict[str, str]):
         import wandb
@@ -123,11 +130,13 @@ class Trackers:
         """The trackers `spec.tracking` names, started (`TrackingUnavailable` if one is not installed)."""
         require_trackers(spec.tracking)
         trackers = cls([], run_dir)
-        wandb_spec = spec.tracking.wandb
+        config = spec.model_dump(mode="json")
+        versions = run_versions(spec, run_id, dataset_version)
+        wandb_spec, mlflow_spec = spec.tracking.wandb, spec.tracking.mlflow
         if wandb_spec is not None:
-            config = spec.model_dump(mode="json")
-            versions = run_versions(spec, run_id, dataset_version)
-            trackers.add("wandb", lambda: WandbTracker(wandb_spec, run_dir, config, versions))
+            trackers.add(WANDB, lambda: WandbTracker(wandb_spec, run_dir, config, versions))
+        if mlflow_spec is not None:
+            trackers.add(MLFLOW, lambda: MlflowTracker(mlflow_spec, run_dir, config, versions))
         return trackers
 
     def add(self, name: str, start: Callable[[], Tracker]) -> None:

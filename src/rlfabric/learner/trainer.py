@@ -62,6 +62,7 @@ from rlfabric.learner.dist import (
     defer_gradient_sync,
     reshard,
 )
+from rlfabric.learner.lora import AdaptersDisabled
 from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
 from rlfabric.learner.step_metrics import sample_sums, step_metrics
 from rlfabric.learner.trainer_base import TrainerBase
@@ -121,6 +122,7 @@ class Trainer(TrainerBase[GroupSamples]):
             trainable=True,
             checkpointing=spec.train.activation_checkpointing,
             compile_blocks=spec.train.compile,
+            lora=spec.model.lora,
         )
         self.reference = self._load_reference(model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
@@ -130,9 +132,12 @@ class Trainer(TrainerBase[GroupSamples]):
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
 
     def _load_reference(self, model_path: str | Path) -> nn.Module | None:
-        """The frozen reference, only when the KL coefficient is positive."""
+        """The frozen reference, only when the KL coefficient is positive; with LoRA and no other reference
+        named, the policy with its adapters off (no second copy)."""
         if self.spec.algorithm.kl.coef <= 0:
             return None
+        if self.spec.model.lora is not None and self.spec.model.reference_path is None:
+            return AdaptersDisabled(self.model)
         path = self.spec.model.reference_path or model_path
         return load_model(
             path,

@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from rlfabric.learner.checkpoint import CheckpointState, TrainObjects, load_checkpoint, save_checkpoint
 from rlfabric.learner.dist import World, compute_dtype
+from rlfabric.learner.lora import adapter_state_dict, merged_state_dict
 from rlfabric.runspec import RunSpec
 
 ItemT = TypeVar("ItemT")
@@ -79,9 +80,18 @@ class TrainerBase(Generic[ItemT]):
         self._set_progress(self._step, version)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere). Collective."""
+        """The unsharded policy weights on CPU, on rank 0 (empty elsewhere), LoRA adapters merged (the plain
+        model's names and shapes). Collective."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
+        state = cast(dict[str, Tensor], get_model_state_dict(self.model, options=options))
+        lora = self.spec.model.lora
+        return merged_state_dict(state, lora) if lora is not None else state
+
+    def adapter_state_dict(self) -> dict[str, Tensor]:
+        """The policy's LoRA adapters alone (PEFT's saved names) on CPU, on rank 0 (empty elsewhere); only
+        the trainable parameters are gathered. Collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return adapter_state_dict(cast(dict[str, Tensor], get_model_state_dict(self.model, options=options)))
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, bytes | str] | None = None) -> Path:
         """Write a resumable checkpoint of this step under `root` (collective)."""

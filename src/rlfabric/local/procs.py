@@ -47,13 +47,17 @@ class ServiceProcess:
         cwd: str | Path | None = None,
         guarded: bool = False,
         guard_grace_s: float = 5.0,
+        cpus: str | None = None,
     ) -> None:
+        assert guarded or cpus is None, "cores are set by the guard"
         self.name = name
         self.argv = list(argv)
         self.guarded = guarded
         """Run under `rlfabric.runtime.guard` (see the module docstring)."""
         self.guard_grace_s = guard_grace_s
         """The guard's grace from SIGTERM to SIGKILL once this process's parent is gone."""
+        self.cpus = cpus
+        """The cores the guard confines the service to ("1", "0-3"; guarded only), None for any."""
         self.log_path = Path(log_path)
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
@@ -87,6 +91,8 @@ class ServiceProcess:
         if not self.guarded:
             return self.argv
         guard = [sys.executable, "-m", "rlfabric.runtime.guard", "--grace", str(self.guard_grace_s)]
+        if self.cpus:
+            guard += ["--cpus", self.cpus]
         return [*guard, "--", *self.argv]
 
     def start(self, ready: str | re.Pattern[str], timeout_s: float = 120.0) -> re.Match[str]:

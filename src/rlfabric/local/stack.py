@@ -1,5 +1,10 @@
 """The processes of one `rlfabric up`: how each service is launched (argv, environment, ports, tokens)
-and waited for, each under a guard, and stopped together."""
+and waited for, each under a guard, and stopped together.
+
+One run (`start_services`) gets replicas bound to it. Several runs (`start_fleet_services`) share one
+rollout fleet: its replicas follow the fleet (`fleet=<name>`, an adapter slot per run) instead of a run,
+each run has its own learner, and one reward service and one coordinator serve them all.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -19,6 +25,7 @@ from rlfabric.local.credentials import Credentials
 from rlfabric.local.handoff import TWIN_SUFFIX, Handoff
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.local.scaler import LocalScaler, ScalePolicy
+from rlfabric.runtime.guard import cpu_list
 
 
 def free_port() -> int:
@@ -57,15 +64,22 @@ class Stack:
         self.environment_port: int | None = None
 
     def process(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, *, service: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        service: str | None = None,
+        cpus: str | None = None,
     ) -> ServiceProcess:
         """A new, not yet started process of this stack (stopped with the rest at the end). `service`
-        ("reward", "rollout", ...) adds that service's tokens to its environment."""
+        ("reward", "rollout", ...) adds that service's tokens to its environment; `cpus` confines it to
+        those cores."""
         env = dict(os.environ if env is None else env)
         if service is not None and self.credentials is not None:
             env.update(self.credentials.env(service))
         log = self.run_dir / "logs" / f"{name}.log"
-        proc = ServiceProcess(name, argv, log_path=log, env=env, guarded=True)
+        proc = ServiceProcess(name, argv, log_path=log, env=env, guarded=True, cpus=cpus)
         self.procs.append(proc)
         return proc
 
@@ -147,10 +161,32 @@ class Services:
     url: str
     supervised: list[tuple[ServiceProcess, str]]
     """(process, ready pattern) of every service process started."""
-    learner: ServiceProcess
+    learners: list[ServiceProcess]
+    """The learner of each run (one, but for several runs on a fleet)."""
     scaler: LocalScaler | None
     handoffs: list[Handoff]
     """Eager replicas and their compiled twins still building (`rlfabric.local.handoff`)."""
+
+
+class ReplicaFactory(Protocol):
+    """Makes rollout replica `i` (not started): compiled as `--compile` says unless `compile_` is given;
+    `suffix` makes another replica id for the same slot (a compiled twin)."""
+
+    def __call__(self, i: int, *, compile_: bool | None = None, suffix: str = "") -> ServiceProcess: ...
+
+
+@dataclass
+class OnlineParts:
+    """The services of an online `up`, made (not started) in the order they are stopped in reverse: one
+    run's, or several runs' on a shared fleet."""
+
+    reward: ServiceProcess
+    environment: ServiceProcess | None
+    replica: ReplicaFactory
+    learners: Callable[[], list[ServiceProcess]]
+    """Makes the learner of each run."""
+    coordinator: Callable[[str], ServiceProcess]
+    """Makes the coordinator, given the reward service's address."""
 
 
 def start_services(
@@ -160,38 +196,85 @@ def start_services(
     only the learner and the coordinator)."""
     if spec.mode != "online":
         return start_offline_services(stack, args, spec, redis_url)
-    reward = stack.launch(reward_process(stack, args, spec), REWARD_READY)
-    environment = environment_process(stack, args, spec)
-    if environment is not None:
-        stack.start(environment, ENVIRONMENT_READY)
+
+    def replica(i: int, *, compile_: bool | None = None, suffix: str = "") -> ServiceProcess:
+        return replica_process(stack, args, spec, redis_url, i, compile_=compile_, suffix=suffix)
+
+    parts = OnlineParts(
+        reward=reward_process(stack, args, spec),
+        environment=environment_process(stack, args, spec),
+        replica=replica,
+        learners=lambda: [learner_process(stack, args, spec, redis_url)],
+        coordinator=lambda reward: coordinator_process(stack, args, spec, redis_url, reward),
+    )
+    return start_online(stack, args, parts, policy)
+
+
+def start_online(
+    stack: Stack, args: argparse.Namespace, parts: OnlineParts, policy: ScalePolicy | None
+) -> Services:
+    """Launches the parts at once, the coordinator once the reward service listens; waits for every
+    ready line."""
+    reward = stack.launch(parts.reward, REWARD_READY)
+    if parts.environment is not None:
+        stack.start(parts.environment, ENVIRONMENT_READY)
     eager_first = eager_start(args)
-    replicas = [
-        replica_process(stack, args, spec, redis_url, i, compile_=not eager_first and args.compile)
-        for i in range(args.replicas)
-    ]
+    replicas = [parts.replica(i, compile_=not eager_first and args.compile) for i in range(args.replicas)]
     starting = [stack.launch(proc, REPLICA_READY) for proc in replicas]
-    twins = [compiled_twin(stack, args, spec, redis_url, i) for i in range(args.replicas) if eager_first]
+    twins = [parts.replica(i, compile_=True, suffix=TWIN_SUFFIX) for i in range(args.replicas) if eager_first]
     handoffs = [Handoff(eager, twin, REPLICA_READY) for eager, twin in zip(replicas, twins, strict=False)]
-    learner = stack.launch(learner_process(stack, args, spec, redis_url), LEARNER_READY)
+    learners = [stack.launch(proc, LEARNER_READY) for proc in parts.learners()]
     reward_address = stack.wait(reward)
-    coordinator = coordinator_process(stack, args, spec, redis_url, reward_address)
+    coordinator = parts.coordinator(reward_address)
     url = stack.start(coordinator, COORDINATOR_READY)
-    for pending in (learner, *starting):
+    for pending in (*learners, *starting):
         stack.wait(pending)
-    supervised = [
-        (reward.proc, REWARD_READY),
-        (coordinator, COORDINATOR_READY),
-        (learner.proc, LEARNER_READY),
-    ]
+    supervised = [(reward.proc, REWARD_READY), (coordinator, COORDINATOR_READY)]
+    supervised += [(learner.proc, LEARNER_READY) for learner in learners]
     supervised += [(proc, REPLICA_READY) for proc in replicas]
-    if environment is not None:
-        supervised.append((environment, ENVIRONMENT_READY))
+    if parts.environment is not None:
+        supervised.append((parts.environment, ENVIRONMENT_READY))
+    scaler = LocalScaler(policy, parts.replica, REPLICA_READY, replicas) if policy else None
+    return Services(url, supervised, [learner.proc for learner in learners], scaler, handoffs)
 
-    def replica(i: int) -> ServiceProcess:
-        return replica_process(stack, args, spec, redis_url, i)
 
-    scaler = LocalScaler(policy, replica, REPLICA_READY, replicas) if policy else None
-    return Services(url, supervised, learner.proc, scaler, handoffs)
+@dataclass(frozen=True)
+class FleetRun:
+    """One of several runs that one `up` starts on a shared fleet: its spec (`rollout.fleet` set) and the
+    run file it came from (None: the built-in demo)."""
+
+    spec: Any
+    run_file: str | None
+
+
+def start_fleet_services(
+    stack: Stack, args: argparse.Namespace, runs: list[FleetRun], redis_url: str, policy: ScalePolicy | None
+) -> Services:
+    """Starts one reward service (the runs' functions allowed), the fleet's replicas (scaled by `policy`
+    when given), a learner per run and one coordinator (every run's roots allowed)."""
+
+    def replica(i: int, *, compile_: bool | None = None, suffix: str = "") -> ServiceProcess:
+        return fleet_replica_process(stack, args, runs, redis_url, i, compile_=compile_, suffix=suffix)
+
+    def coordinator(reward: str) -> ServiceProcess:
+        roots = [root for run in runs for root in allowed_roots(run_args(args, run), stack.run_dir, run.spec)]
+        return coordinator_process(
+            stack, args, runs[0].spec, redis_url, reward, roots=list(dict.fromkeys(roots))
+        )
+
+    parts = OnlineParts(
+        reward=reward_service(stack, fleet_allowed_functions(runs)),
+        environment=None,
+        replica=replica,
+        learners=lambda: [fleet_learner(stack, args, run.spec, redis_url, i) for i, run in enumerate(runs)],
+        coordinator=coordinator,
+    )
+    return start_online(stack, args, parts, policy)
+
+
+def run_args(args: argparse.Namespace, run: FleetRun) -> argparse.Namespace:
+    """The options as one run of a fleet sees them: its own run file."""
+    return argparse.Namespace(**{**vars(args), "run_file": run.run_file})
 
 
 def start_offline_services(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> Services:
@@ -201,7 +284,7 @@ def start_offline_services(stack: Stack, args: argparse.Namespace, spec: Any, re
     url = stack.start(coordinator, COORDINATOR_READY)
     stack.wait(learner)
     supervised = [(coordinator, COORDINATOR_READY), (learner.proc, OFFLINE_LEARNER_READY)]
-    return Services(url, supervised, learner.proc, None, [])
+    return Services(url, supervised, [learner.proc], None, [])
 
 
 def eager_start(args: argparse.Namespace) -> bool:
@@ -209,19 +292,24 @@ def eager_start(args: argparse.Namespace) -> bool:
     return bool(args.compile and getattr(args, "eager_start", True) and args.engine == "vllm")
 
 
-def compiled_twin(
-    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, i: int
-) -> ServiceProcess:
-    """The compiled twin of eager replica `i` (not started)."""
-    return replica_process(stack, args, spec, redis_url, i, compile_=True, suffix=TWIN_SUFFIX)
-
-
 def reward_process(stack: Stack, args: argparse.Namespace, spec: Any) -> ServiceProcess:
     """The reward service: user functions only from the run file's folder and the functions the run
     spec names by module (the operator's own run file, or the demo)."""
     from rlfabric.reward.check import allowed_functions, run_rewards
 
-    allowed = allowed_functions(run_rewards(spec), args.run_file)
+    return reward_service(stack, allowed_functions(run_rewards(spec), args.run_file))
+
+
+def fleet_allowed_functions(runs: list[FleetRun]) -> list[str]:
+    """The reward service's `allowed_functions` for several runs: the union of each run's."""
+    from rlfabric.reward.check import allowed_functions, run_rewards
+
+    allowed = [name for run in runs for name in allowed_functions(run_rewards(run.spec), run.run_file)]
+    return list(dict.fromkeys(allowed))
+
+
+def reward_service(stack: Stack, allowed: list[str]) -> ServiceProcess:
+    """The reward service (not started), user code only from `allowed`."""
     argv = cli("serve", "reward", "--port", str(free_port()), "--set", "workers=1", *ANY_METRICS_PORT)
     argv += ["--set", f"allowed_functions={json.dumps(allowed)}"]
     return stack.process("reward", argv, service="reward")
@@ -267,15 +355,21 @@ def environment_address(stack: Stack, spec: Any) -> str | None:
 
 
 def coordinator_process(
-    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, reward_address: str | None
+    stack: Stack,
+    args: argparse.Namespace,
+    spec: Any,
+    redis_url: str,
+    reward_address: str | None,
+    *,
+    roots: list[str] | None = None,
 ) -> ServiceProcess:
-    """The coordinator: datasets and models confined to `allowed_roots`; `reward_address` None when the
-    run scores nothing (offline)."""
+    """The coordinator: datasets and models confined to `roots` (default: the run's `allowed_roots`);
+    `reward_address` None when the run scores nothing (offline)."""
     argv = cli("serve", "coordinator", "--port", str(free_port()), "--set", f"redis.url={redis_url}")
     if reward_address is not None:
         argv += ["--set", f"reward_address={reward_address}"]
-    roots = json.dumps(allowed_roots(args, stack.run_dir, spec))
-    argv += ["--set", f"data_roots={roots}", "--set", f"model_roots={roots}"]
+    allowed = json.dumps(allowed_roots(args, stack.run_dir, spec) if roots is None else roots)
+    argv += ["--set", f"data_roots={allowed}", "--set", f"model_roots={allowed}"]
     return stack.process("coordinator", argv, service="coordinator")
 
 
@@ -317,23 +411,58 @@ def replica_process(
 ) -> ServiceProcess:
     """Rollout replica `i` of the run (not started): compiled as `--compile` says unless `compile_` is
     given; `suffix` makes another replica id for the same slot (a compiled twin)."""
+    binding = [f"run_id={spec.name}", f"weights_root={spec.weights_root()}", *adapter_settings(spec)]
+    address = environment_address(stack, spec)
+    return new_replica(stack, args, spec.model, redis_url, i, binding, address, compile_, suffix)
+
+
+def fleet_replica_process(
+    stack: Stack,
+    args: argparse.Namespace,
+    runs: list[FleetRun],
+    redis_url: str,
+    i: int,
+    *,
+    compile_: bool | None = None,
+    suffix: str = "",
+) -> ServiceProcess:
+    """Rollout replica `i` of the runs' shared fleet (not started): it follows the fleet, not a run, with
+    the runs' longest context (they share the base model)."""
+    model = runs[0].spec.model
+    longest = max(run.spec.model.max_model_len for run in runs)
+    model = model.model_copy(update={"max_model_len": longest})
+    binding = fleet_settings([run.spec for run in runs])
+    return new_replica(stack, args, model, redis_url, i, binding, None, compile_, suffix)
+
+
+def new_replica(
+    stack: Stack,
+    args: argparse.Namespace,
+    model: Any,
+    redis_url: str,
+    i: int,
+    binding: list[str],
+    environment: str | None,
+    compile_: bool | None,
+    suffix: str,
+) -> ServiceProcess:
+    """A replica of `model` (not started) with the settings that say what it follows (`binding`) and
+    where it reaches the environment service (None: single-turn)."""
     compile_ = args.compile if compile_ is None else compile_
     name = f"rollout-{i}{suffix}"
-    weights = str(Path(spec.output_dir) / spec.name / "weights")
-    argv = cli("serve", "rollout", "--model", spec.model.path, "--port", str(free_port()), *ANY_METRICS_PORT)
+    argv = cli("serve", "rollout", "--model", model.path, "--port", str(free_port()), *ANY_METRICS_PORT)
     argv += ["--engine", args.engine]
     settings = [
-        f"run_id={spec.name}", f"redis.url={redis_url}", f"weights_root={weights}", f"replica_id={name}",
-        f"engine.max_model_len={spec.model.max_model_len}", f"engine.dtype={spec.model.dtype}",
+        f"redis.url={redis_url}", f"replica_id={name}",
+        f"engine.max_model_len={model.max_model_len}", f"engine.dtype={model.dtype}",
         "engine.kv_cache_bytes=268435456",
         f"engine.enforce_eager={str(not compile_).lower()}", "log.format=text",
     ]  # fmt: skip
-    for setting in settings:
+    for setting in [*binding, *settings]:
         argv += ["--set", setting]
     env = vllm_env(compile_=compile_)
-    address = environment_address(stack, spec)
-    if address is not None:
-        argv += ["--set", f"environment.address={address}"]
+    if environment is not None:
+        argv += ["--set", f"environment.address={environment}"]
         if stack.credentials is not None:
             env["RLFABRIC_ROLLOUT__ENVIRONMENT__TOKEN"] = stack.credentials.environment
     if args.replica_cores:
@@ -341,8 +470,77 @@ def replica_process(
     return stack.process(name, argv, env, service="rollout")
 
 
-def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> ServiceProcess:
-    config = {
+def fleet_settings(specs: list[Any]) -> list[str]:
+    """A fleet replica's binding: the runs' fleet instead of a run, an adapter slot per run at the
+    smallest rank vLLM reserves that holds the largest of theirs."""
+    rank = max(spec.model.published_adapter.rank for spec in specs)
+    return [
+        f"fleet={specs[0].rollout.fleet}",
+        f"engine.max_adapters={len(specs)}",
+        f"engine.max_adapter_rank={adapter_slot_rank(rank)}",
+    ]
+
+
+def adapter_settings(spec: Any) -> list[str]:
+    """A replica's LoRA settings for a run that publishes adapters: one adapter slot (the run's own) at
+    the smallest rank vLLM reserves that holds the run's; none otherwise. ValueError when no replica
+    could serve the run's adapters (`check_adapters`)."""
+    lora = spec.model.published_adapter
+    if lora is None:
+        return []
+    return ["engine.max_adapters=1", f"engine.max_adapter_rank={adapter_slot_rank(lora.rank)}"]
+
+
+def adapter_slot_rank(rank: int) -> int:
+    """The smallest rank vLLM reserves adapter slots for that holds `rank`; ValueError past the largest."""
+    from typing import get_args
+
+    from rlfabric.rollout.config import AdapterRank
+
+    fitting = [r for r in get_args(AdapterRank) if r >= rank]
+    if not fitting:
+        raise ValueError(
+            f"model.lora.rank: replicas serve adapters up to rank {max(get_args(AdapterRank))}, not {rank};"
+            " use model.lora.publish = 'merged'"
+        )
+    return int(fitting[0])
+
+
+def check_adapters(args: argparse.Namespace, spec: Any) -> None:
+    """ValueError when this `up` cannot serve the run's published adapters (before anything starts)."""
+    lora = spec.model.published_adapter
+    if lora is None:
+        return
+    if args.engine != "vllm":
+        raise ValueError(
+            f"--engine {args.engine} serves no LoRA adapters: use --engine vllm or"
+            " model.lora.publish = 'merged'"
+        )
+    adapter_slot_rank(lora.rank)
+
+
+def fleet_learner(
+    stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str, index: int
+) -> ServiceProcess:
+    """The learner of the `index`th of several runs: its process and config file named after the run."""
+    name, config = f"learner-{spec.name}", f"{spec.name}.learner.yaml"
+    return learner_process(stack, args, spec, redis_url, name=name, config=config, index=index)
+
+
+def learner_process(
+    stack: Stack,
+    args: argparse.Namespace,
+    spec: Any,
+    redis_url: str,
+    *,
+    name: str = "learner",
+    config: str = "learner.yaml",
+    index: int = 0,
+) -> ServiceProcess:
+    """The run's learner (not started), its settings in `config` in the run directory; with
+    `--learner-cores`, on the `index`th entry's cores (modulo their count), one torch thread per core (the
+    ranks of `--learner-ranks` share them)."""
+    settings = {
         "run_id": spec.name,
         "redis": {"url": redis_url},
         "server": {"port": free_port(), "metrics_port": 0},
@@ -350,13 +548,16 @@ def learner_process(stack: Stack, args: argparse.Namespace, spec: Any, redis_url
         "run": json.loads(spec.model_dump_json()),
         "report_to_redis": spec.mode != "online",
     }
-    path = stack.run_dir / "learner.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = stack.run_dir / config
+    path.write_text(yaml.safe_dump(settings))
     if args.learner_ranks > 1:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         argv += ["--nproc_per_node", str(args.learner_ranks), "-m", "rlfabric.cli"]
         argv += ["serve", "learner", "--config", str(path)]
     else:
         argv = cli("serve", "learner", "--config", str(path))
-    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one torch thread unless the caller chooses
-    return stack.process("learner", argv, env, service="learner")
+    cores = args.learner_cores[index % len(args.learner_cores)] if args.learner_cores else None
+    per_rank = len(cpu_list(cores)) // args.learner_ranks if cores else 1  # the ranks share the cores
+    threads = str(max(1, per_rank))  # one torch thread per core a rank may use
+    env = {"OMP_NUM_THREADS": threads, **os.environ}  # unless the caller chooses
+    return stack.process(name, argv, env, service="learner", cpus=cores)

@@ -21,6 +21,17 @@
 `up --resume RUN_DIR` repeats 2-5 for the run of an earlier `up` in RUN_DIR (stopped, or left running by a
 crash): same options, run id, Redis data and credentials. The exit code is 0 only when the run completed;
 nothing `up` started outlives it, even when it is killed (the guards see to that).
+
+Several runs on one shared rollout fleet: `up --runs K` (the built-in demo K times, demo-1 .. demo-K, each
+its prompts shuffled with its own seed) or `up RUN_FILE RUN_FILE ...`. Every run must publish LoRA
+adapters (`--lora RANK` gives them all some); each gets `rollout.fleet` ("local" unless its run file names
+one), and the same steps start one reward service (every run's functions allowed), `--replicas` replicas
+following the fleet (an adapter slot per run), a learner per run and one coordinator; each run is
+submitted, the watch prints one line per step per run, every run's summary follows, and the exit code is
+0 only when all of them completed. With `--max-replicas` the local scaler follows the fleet's desired
+replica count (summed over its runs, `keys.fleet_scaling`). `--resume` continues them together: the runs
+that completed stay done, the others are resumed (or submitted, when the first `up` never submitted them)
+on the fleet as before.
 """
 
 from __future__ import annotations
@@ -31,33 +42,71 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlfabric.local.credentials import CredentialsError, for_run
-from rlfabric.local.stack import REDIS_READY, Stack, scale_policy, start_redis, start_services
+from rlfabric.local.stack import (
+    REDIS_READY,
+    FleetRun,
+    Services,
+    Stack,
+    check_adapters,
+    scale_policy,
+    start_fleet_services,
+    start_redis,
+    start_services,
+)
 from rlfabric.local.supervisor import Supervisor
 
 STATE_FILE = "up.json"
 """In the run directory: the options and run spec of the `up` that created it, read by `--resume`."""
 SAVED_OPTIONS = (
     "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
-    "learner_ranks", "redis_url", "engine", "compile", "eager_start", "replica_cores",
+    "learner_ranks", "redis_url", "engine", "compile", "eager_start", "replica_cores", "learner_cores",
+    "lora",
 )  # fmt: skip
 """The options `--resume` takes over from the first `up` of a run directory."""
+LOCAL_FLEET = "local"
+"""The fleet several runs of one `up` share unless their run files name one."""
+SEVERAL_RUNS = "not supported for several runs"
+"""How `up` refuses an option that takes one run."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_file", nargs="?", help="run file (TOML/YAML/JSON); default: the built-in demo")
+    parser.add_argument(
+        "run_file",
+        nargs="*",
+        action=RunFiles,
+        metavar="RUN_FILE",
+        help="run file (TOML/YAML/JSON); default: the built-in demo. Several: the runs share one rollout "
+        "fleet (each must train LoRA adapters)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        metavar="K",
+        help="run the built-in demo K times at once (demo-1 .. demo-K, K >= 2) on one shared rollout fleet; "
+        "needs --lora",
+    )
     parser.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
-        help="continue the run of an earlier `up` in RUN_DIR (stopped or crashed) with its options, Redis "
-        "data and credentials; takes no run file and no other option but --no-progress",
+        help="continue the run (or the runs sharing a fleet) of an earlier `up` in RUN_DIR (stopped or "
+        "crashed) with its options, Redis data and credentials; takes no run file and no other option "
+        "but --no-progress",
     )
     parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument(
+        "--lora",
+        type=lora_rank,
+        metavar="RANK",
+        help="train LoRA adapters of this rank (alpha 2 x RANK, every attention and MLP projection) instead "
+        "of the full weights; sets the run file's model.lora, or for the built-in demo also its learning "
+        "rate (0.01)",
+    )
     parser.add_argument("--run-dir", type=Path, help="where everything is written (default runs/<time>)")
     parser.add_argument("--replicas", type=int, default=1, help="rollout replicas at start (default 1)")
     parser.add_argument(
@@ -103,34 +152,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replica-cores",
-        type=replica_cores,
+        type=core_lists,
         help="CPU cores of each replica's vLLM threads, '|' between replicas: replica i takes entry i modulo "
         "their count, e.g. '0|1' puts one replica on each of two cores (default: vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND from the environment, else unbound)",
     )
+    parser.add_argument(
+        "--learner-cores",
+        type=core_lists,
+        help="CPU cores of each learner (and everything it starts), '|' between learners: learner i "
+        "takes entry i modulo their count, with one torch thread per core, e.g. '--replica-cores 0 "
+        "--learner-cores 1' keeps generation and training apart as on separate devices (default: any "
+        "core, one torch thread)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")
 
 
-def replica_cores(text: str) -> list[str]:
-    """`--replica-cores`: one VLLM_CPU_OMP_THREADS_BIND value per replica ("0|1", "0-3|4-7")."""
+class RunFiles(argparse.Action):
+    """The positional run files: `run_files` every one given, `run_file` the one (None for none or
+    several)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        files = [str(value) for value in values or []]
+        namespace.run_files = files
+        namespace.run_file = files[0] if len(files) == 1 else None
+
+
+def lora_rank(text: str) -> int:
+    """`--lora`: a rank from 1 to 1024."""
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"expected a LoRA rank from 1 to 1024, got {text!r}")
+    return int(text)
+
+
+def core_lists(text: str) -> list[str]:
+    """`--replica-cores`, `--learner-cores`: one core list per process ("0|1", "0-3|4-7"), for a replica
+    its VLLM_CPU_OMP_THREADS_BIND value."""
+    from rlfabric.runtime.guard import cpu_list  # the one parser of a core list (the guard's --cpus)
+
     entries = [e.strip() for e in text.split("|")]
     for entry in entries:
-        parts = [p for chunk in entry.split(",") for p in chunk.split("-")]
-        if not entry or not all(p.isdigit() for p in parts):
-            raise argparse.ArgumentTypeError(f"expected core lists like '0|1' or '0-3|4-7', got {text!r}")
+        try:
+            cpu_list(entry)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected core lists like '0|1' or '0-3|4-7', got {text!r}"
+            ) from None
     return entries
 
 
-def load_spec(args: argparse.Namespace, run_dir: Path) -> Any:
+def load_spec(args: argparse.Namespace, run_dir: Path, *, demo_name: str = "demo", demo_seed: int = 0) -> Any:
+    """The run file's spec (the built-in demo's, named `demo_name`, prompts shuffled with `demo_seed`,
+    without one) with the options applied."""
     from rlfabric.coordinator.demo import demo_spec
-    from rlfabric.runspec import RunSpec
+    from rlfabric.runspec import LoraSpec, RunSpec
     from rlfabric.runtime.config import load_config
 
     if args.run_file:
         spec = load_config(RunSpec, path=args.run_file)
     else:
-        spec = demo_spec(run_dir, steps=args.steps or 40)
+        steps = args.steps or 40
+        spec = demo_spec(run_dir, steps=steps, lora_rank=args.lora, name=demo_name, seed=demo_seed)
     updates: dict[str, Any] = {"output_dir": str(run_dir), "name": spec.name or f"run-{int(time.time())}"}
+    if args.run_file and args.lora:
+        lora = LoraSpec(rank=args.lora, alpha=2 * args.lora)
+        spec = RunSpec.model_validate({**dict(spec), "model": spec.model.model_copy(update={"lora": lora})})
     if args.steps:
         updates["train"] = spec.train.model_copy(update={"steps": args.steps})
     return spec.model_copy(update=updates)
@@ -146,12 +234,15 @@ def save_state(run_dir: Path, args: argparse.Namespace, spec: Any) -> None:
 
 
 def load_state(run_dir: Path, args: argparse.Namespace) -> tuple[argparse.Namespace, Any]:
-    """The options (this call's --no-progress kept) and run spec of the `up` that created RUN_DIR;
-    FileNotFoundError when it holds no up.json."""
+    """The options (this call's --no-progress kept) and run spec of the `up` that created RUN_DIR (a list
+    of specs when it ran several runs on a fleet); FileNotFoundError when it holds no up.json."""
     from rlfabric.runspec import RunSpec
 
     state = json.loads((run_dir / STATE_FILE).read_text())
     options = argparse.Namespace(**{**vars(args), **state["options"]})
+    if FLEET_STATE in state:
+        options.run_file = None
+        return options, [RunSpec.model_validate(spec) for spec in state[FLEET_STATE]]
     return options, RunSpec.model_validate(state["spec"])
 
 
@@ -172,29 +263,152 @@ class Plan:
     args: argparse.Namespace
     spec: Any
     resume: bool
+    runs: list[FleetRun] = field(default_factory=list)
+    """Several runs on one shared fleet (`spec` the first of them); empty for one run."""
 
 
 def plan(args: argparse.Namespace) -> Plan:
     """The run directory, options and spec; ValueError (the message for the user) for bad options."""
     if args.resume is not None:
-        if args.run_file or args.run_dir:
-            raise ValueError("--resume takes neither a run file nor --run-dir: it reuses those of the run")
+        if args.runs is not None or args.run_files or args.run_dir:
+            raise ValueError("--resume takes no run file, --runs or --run-dir: it reuses those of the run(s)")
         run_dir = args.resume.resolve()
         if not (run_dir / STATE_FILE).exists():
             raise ValueError(f"{run_dir} holds no {STATE_FILE}: not the run directory of an `rlfabric up`")
         options, spec = load_state(run_dir, args)
         scale_policy(options)
+        if isinstance(spec, list):  # several runs on a fleet, their specs as joined then
+            files = options.run_files or [None] * len(spec)  # each run's file: its folder's code and data
+            runs = [FleetRun(one, file) for one, file in zip(spec, files, strict=True)]
+            return Plan(run_dir, options, spec[0], resume=True, runs=runs)
         return Plan(run_dir, options, spec, resume=True)
-    run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    if (run_dir / STATE_FILE).exists():
-        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}")
+    if args.runs is not None or len(args.run_files) > 1:
+        return plan_fleet(args)
+    run_dir = fresh_run_dir(args)
     scale_policy(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = load_spec(args, run_dir)
+    check_adapters(args, spec)
     make_tiny_model_if_missing(spec)
     check_run(spec, args.run_file)
     save_state(run_dir, args, spec)
     return Plan(run_dir, args, spec, resume=False)
+
+
+def fresh_run_dir(args: argparse.Namespace) -> Path:
+    """`--run-dir` (default runs/<time>), resolved; ValueError when an earlier `up` used it."""
+    run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if (run_dir / STATE_FILE).exists():
+        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}")
+    return run_dir
+
+
+FLEET_STATE = "runs"
+"""In up.json of several runs: their specs, joined to the fleet (what `--resume` starts them from)."""
+
+
+def plan_fleet(args: argparse.Namespace) -> Plan:
+    """Several runs on one shared fleet: each spec loaded, joined to the fleet and checked."""
+    check_fleet_options(args)
+    run_dir = fresh_run_dir(args)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runs = join_fleet(load_fleet_runs(args, run_dir))
+    for run in runs:
+        check_adapters(args, run.spec)
+        make_tiny_model_if_missing(run.spec)
+        check_run(run.spec, run.run_file)
+    save_fleet_state(run_dir, args, runs)
+    return Plan(run_dir, args, runs[0].spec, resume=False, runs=runs)
+
+
+def check_fleet_options(args: argparse.Namespace) -> None:
+    """ValueError for options several runs cannot take."""
+    if args.runs is not None and args.run_files:
+        raise ValueError("--runs K runs the built-in demo K times: give run files or --runs, not both")
+    if args.runs is not None and args.runs < 2:
+        raise ValueError(f"--runs needs 2 or more runs, got {args.runs} (one run: leave --runs out)")
+    scale_policy(args)
+    if args.runs is not None and args.lora is None:
+        raise ValueError(NO_ADAPTER.format(run="the demo"))
+
+
+NO_ADAPTER = (
+    "model.lora: {run} trains no LoRA adapter published alone, which runs sharing a rollout fleet need"
+    " (set model.lora, or pass --lora RANK)"
+)
+
+
+def load_fleet_runs(args: argparse.Namespace, run_dir: Path) -> list[FleetRun]:
+    """Each run's spec with the options applied: demo-1 .. demo-K (prompt seeds 0 .. K-1), or each run
+    file's."""
+    if args.runs is not None:
+        demo = argparse.Namespace(**{**vars(args), "run_file": None})
+        specs = [load_spec(demo, run_dir, demo_name=f"demo-{i + 1}", demo_seed=i) for i in range(args.runs)]
+        return [FleetRun(spec, None) for spec in specs]
+    runs = []
+    for run_file in args.run_files:
+        spec = load_spec(argparse.Namespace(**{**vars(args), "run_file": run_file}), run_dir)
+        runs.append(FleetRun(spec, run_file))
+    return runs
+
+
+def join_fleet(runs: list[FleetRun]) -> list[FleetRun]:
+    """The runs with `rollout.fleet` set (the one their run files name, else "local") and their weights
+    root explicit; ValueError naming the field when they cannot share one fleet."""
+    from rlfabric.runspec import RunSpec
+
+    specs = [run.spec for run in runs]
+    for spec in specs:
+        check_fleet_run(spec)
+    check_shared(specs, "name", lambda spec: spec.name, same=False)
+    check_shared(specs, "model.path", lambda spec: str(Path(spec.model.path).resolve()), same=True)
+    named = {spec.rollout.fleet for spec in specs} - {None}
+    if len(named) > 1:
+        raise ValueError(f"rollout.fleet: the runs name different fleets ({', '.join(sorted(named))})")
+    fleet = named.pop() if named else LOCAL_FLEET
+    joined = []
+    for run in runs:
+        spec = run.spec
+        updates = {
+            "rollout": spec.rollout.model_copy(update={"fleet": fleet}),
+            "weights": spec.weights.model_copy(update={"url": spec.weights_root()}),
+        }
+        joined.append(FleetRun(RunSpec.model_validate({**dict(spec), **updates}), run.run_file))
+    return joined
+
+
+def check_fleet_run(spec: Any) -> None:
+    """ValueError naming the field that keeps one run off a shared fleet."""
+    if spec.model.published_adapter is None:
+        raise ValueError(NO_ADAPTER.format(run=f"run {spec.name}"))
+    unshared = {
+        "mode": spec.mode != "online",
+        "environment": spec.environment is not None,
+        "warm_start": spec.warm_start is not None,
+    }
+    for name, found in unshared.items():
+        if found:
+            raise ValueError(f"{name}: run {spec.name}: only single-turn online runs without a warm start"
+                             f" share a fleet in `up`")  # fmt: skip
+
+
+def check_shared(specs: list[Any], name: str, value: Any, *, same: bool) -> None:
+    """ValueError naming field `name` unless `value(spec)` is the same for every run (`same`) or
+    different for each."""
+    values = [value(spec) for spec in specs]
+    if (len(set(values)) == 1) if same else (len(set(values)) == len(values)):
+        return
+    wanted = "the same base model (one fleet serves one)" if same else "a different name each"
+    raise ValueError(f"{name}: runs sharing a fleet need {wanted}; got {', '.join(map(str, values))}")
+
+
+def save_fleet_state(run_dir: Path, args: argparse.Namespace, runs: list[FleetRun]) -> None:
+    """RUN_DIR/up.json of several runs: the options and every run's spec, joined (for `--resume`)."""
+    options = {name: getattr(args, name) for name in SAVED_OPTIONS if name != "run_file"}
+    options["run_files"] = [str(Path(f).resolve()) for f in args.run_files]
+    options["runs"] = args.runs
+    specs = [json.loads(run.spec.model_dump_json()) for run in runs]
+    (run_dir / STATE_FILE).write_text(json.dumps({"options": options, FLEET_STATE: specs}, indent=2))
 
 
 def make_tiny_model_if_missing(spec: Any) -> None:
@@ -234,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"rlfabric up: run directory {chosen.run_dir}", flush=True)
     signal.signal(signal.SIGTERM, interrupt)
-    return bring_up(chosen, Stack(chosen.run_dir, credentials), Supervisor())
+    bring = bring_up_fleet if chosen.runs else bring_up
+    return bring(chosen, Stack(chosen.run_dir, credentials), Supervisor())
 
 
 def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
@@ -256,13 +471,7 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
             return 0
         spec = warm_started(stack, options, spec)  # the SFT run first, when the run has a warm start
         services = start_services(stack, options, spec, redis_url, scale_policy(options))
-        redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]  # unless --redis-url
-        for proc, ready in redis + services.supervised:
-            supervisor.watch(proc, ready, restart_clean_exit=proc is not services.learner)
-        if services.scaler is not None:
-            services.scaler.supervisor = supervisor
-        for handoff in services.handoffs:
-            handoff.begin(supervisor, services.scaler)
+        supervise(stack, services, supervisor)
         api = Api(services.url, stack.credentials.api if stack.credentials else "")
         try:
             announce(api, spec, chosen.run_dir, submit=action == "submit")
@@ -278,9 +487,63 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     return 0 if status.get("state") == RunState.COMPLETED else 1
 
 
-def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool) -> None:
+def supervise(stack: Stack, services: Services, supervisor: Supervisor) -> None:
+    """Puts Redis (unless --redis-url) and every service under the supervisor; a learner that exits 0 has
+    finished and is not restarted."""
+    redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]
+    for proc, ready in redis + services.supervised:
+        learner = any(proc is learner for learner in services.learners)
+        supervisor.watch(proc, ready, restart_clean_exit=not learner)
+    if services.scaler is not None:
+        services.scaler.supervisor = supervisor
+    for handoff in services.handoffs:
+        handoff.begin(supervisor, services.scaler)
+
+
+def bring_up_fleet(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
+    """Steps 2-5 for several runs on one shared fleet; the exit code (0 only when every run completed)."""
+    from rlfabric.coordinator.runs import RunState
+    from rlfabric.local.watch import Api, FleetSignal, prepare_resume, summarize, watch_runs
+
+    signal = None
+    try:
+        redis_url = start_redis(stack, chosen.args)
+        actions = {run.spec.name: "submit" for run in chosen.runs}
+        if chosen.resume:  # runs that completed stay done; the others are submitted or resumed
+            actions = {name: prepare_resume(redis_url, name) for name in actions}
+        runs = [run for run in chosen.runs if actions[run.spec.name] != "done"]
+        if not runs:
+            return 0
+        names = [run.spec.name for run in runs]
+        policy = scale_policy(chosen.args)
+        services = start_fleet_services(stack, chosen.args, runs, redis_url, policy)
+        supervise(stack, services, supervisor)
+        api = Api(services.url, stack.credentials.api if stack.credentials else "")
+        try:
+            for run in runs:
+                submit = actions[run.spec.name] == "submit"
+                announce(api, run.spec, chosen.run_dir, submit=submit, token=run is runs[-1])
+        except RunRefused as exc:
+            print(f"rlfabric up: {exc}", file=sys.stderr)
+            return 2
+        if services.scaler is not None:
+            signal = FleetSignal(redis_url, chosen.spec.rollout.fleet)
+        statuses = watch_runs(api, names, supervisor=supervisor, scaler=services.scaler, signal=signal)
+    finally:
+        supervisor.close()
+        stack.stop()
+        if signal is not None:
+            signal.close()
+    for name in names:
+        last = name == names[-1]  # the processes' restarts and the scaling are the fleet's: said once
+        summarize(statuses[name], chosen.run_dir, name, services.scaler if last else None,
+                  supervisor if last else None)  # fmt: skip
+    return 0 if all(status.get("state") == RunState.COMPLETED for status in statuses.values()) else 1
+
+
+def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool, token: bool = True) -> None:
     """Submits the run unless the coordinator resumes it; prints the API token once, with the
-    submission (a resumed run points at the credentials file instead)."""
+    submission (`token`; a resumed run points at the credentials file instead)."""
     credentials = run_dir / "credentials.json"
     if not submit:
         print(f"run {spec.name} resumed; page: {api.url}/runs/{spec.name} (token: {credentials})", flush=True)
@@ -293,4 +556,5 @@ def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool) -> None:
         answer = f"({exc.response.status_code}): {exc.response.text}"
         raise RunRefused(f"the coordinator refused the run {answer}") from exc
     print(f"run {run_id} submitted; page: {api.url}/runs/{run_id}", flush=True)
-    print(f"API token (also in {credentials}, mode 0600): {api.token}", flush=True)
+    if token:
+        print(f"API token (also in {credentials}, mode 0600): {api.token}", flush=True)

@@ -3,7 +3,9 @@ services while it shows progress, `--resume`'s look at the run's record, and the
 
 The watch loop tolerates a coordinator that does not answer (it is being restarted): it says so once,
 keeps supervising, and goes on when the coordinator is back. Ctrl-C (or SIGTERM) asks the coordinator to
-stop the run and keeps watching until the run is final; a second one leaves at once.
+stop the run and keeps watching until the run is final; a second one leaves at once. Several runs
+(`watch_runs`) are watched alike, each step of each run printed on its own line; Ctrl-C stops them all;
+their replicas are scaled by the fleet's signal (`FleetSignal`), summed over the runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +26,9 @@ INTERRUPTED = "interrupted"
 ResumeAction = Literal["done", "submit", "resume"]
 """What `--resume` does with the run: nothing (it completed), submit it (it never was), or let the
 restarted coordinator pick it up."""
+DESIRED_REPLICAS = "desired_replicas"
+"""The field of a scaling signal (a run's `scaling` in its status, a fleet's `keys.fleet_scaling` hash)
+that the local scaler follows."""
 
 
 class Api:
@@ -145,27 +151,157 @@ def watch(
 
 def follow_signal(scaler: LocalScaler, status: dict[str, Any], bar: Any) -> None:
     """One reading of the run's desired replica count for the local scaler."""
-    desired = (status.get("scaling") or {}).get("desired_replicas")
-    event = scaler.observe(None if desired is None else int(desired), time.monotonic())
+    desired = (status.get("scaling") or {}).get(DESIRED_REPLICAS)
+    scale(scaler, None if desired is None else int(desired), bar.write)
+
+
+def scale(scaler: LocalScaler, desired: int | None, say: Callable[[str], None]) -> None:
+    """One reading of a desired replica count for the local scaler; `say` tells a change."""
+    event = scaler.observe(desired, time.monotonic())
     if event is not None:
         verb = "adding" if event.action == "out" else "removing"
         wanted = f"{event.running_before} running, {event.desired} wanted"
-        bar.write(f"autoscale: {verb} {event.replica} ({wanted})")
+        say(f"autoscale: {verb} {event.replica} ({wanted})")
+
+
+class FleetSignal:
+    """The fleet's desired replica count, summed over its runs by the coordinator's fleet scheduler
+    (`keys.fleet_scaling`), read from Redis."""
+
+    def __init__(self, redis_url: str, fleet: str) -> None:
+        import redis
+
+        from rlfabric.contracts import keys
+
+        self.client = redis.Redis.from_url(redis_url)
+        self.key = keys.fleet_scaling(fleet)
+
+    def desired(self) -> int | None:
+        """The latest count; None before the scheduler wrote one (or after the last run left)."""
+        value = self.client.hget(self.key, DESIRED_REPLICAS)
+        return None if value is None else int(float(value))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+SHOWN_METRICS = ("reward_mean", "eval_reward_mean", "eval_gold_reward_mean", "kl", "tokens_per_s")
+"""The latest metrics the watch shows for a run."""
+
+
+def shown_metrics(status: dict[str, Any]) -> dict[str, str]:
+    """The run's latest `SHOWN_METRICS` it has, formatted."""
+    metrics = status.get("latest_metrics") or {}
+    fields = {k: metrics.get(k) for k in SHOWN_METRICS}
+    return {k: f"{v:.3g}" for k, v in fields.items() if isinstance(v, int | float)}
 
 
 def show_progress(bar: Any, status: dict[str, Any], *, progress: bool) -> None:
     """Advances the bar to the run's step; without a bar, prints one line per new step."""
-    metrics = status.get("latest_metrics") or {}
     step = int(status.get("step") or 0)
-    keys = ("reward_mean", "eval_reward_mean", "eval_gold_reward_mean", "kl", "tokens_per_s")
-    fields = {k: metrics.get(k) for k in keys}
-    shown = {k: f"{v:.3g}" for k, v in fields.items() if isinstance(v, int | float)}
+    shown = shown_metrics(status)
     if step > bar.last_step:
         bar.last_step = step
         bar.update(max(step - bar.n, 0))
         if not progress:
             print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
     bar.set_postfix(shown, refresh=True)
+
+
+class RunsWatch:
+    """The watch of several runs (see `watch_runs`): one `Watch` per run, one line per new step of each."""
+
+    def __init__(
+        self,
+        api: Api,
+        run_ids: list[str],
+        supervisor: Supervisor,
+        scaler: LocalScaler | None = None,
+        signal: FleetSignal | None = None,
+    ) -> None:
+        self.watches = [Watch(api, run_id, supervisor, None) for run_id in run_ids]
+        self.shown_step = dict.fromkeys(run_ids, 0)
+        self.scaler, self.signal = scaler, signal
+
+    def pending(self) -> list[Watch]:
+        """The runs not final yet."""
+        from rlfabric.coordinator.runs import FINISHED
+
+        return [w for w in self.watches if w.status.get("state") not in (*FINISHED, INTERRUPTED)]
+
+    def tick(self) -> None:
+        """One look at every pending run (httpx.HTTPError, said by the run it concerns, when the
+        coordinator does not answer)."""
+        import httpx
+
+        for watch in self.pending():
+            try:
+                watch.tick()
+            except httpx.HTTPError as exc:
+                watch.unreachable(exc)
+                raise
+            self.show(watch.run_id, watch.status)
+        self.follow_fleet()
+
+    def follow_fleet(self) -> None:
+        """One reading of the fleet's signal for the scaler (none while Redis does not answer)."""
+        import redis
+
+        if self.scaler is None or self.signal is None:
+            return
+        try:
+            desired = self.signal.desired()
+        except redis.RedisError:  # tolerated: Redis is being restarted; the next reading decides
+            return
+        scale(self.scaler, desired, lambda line: print(line, flush=True))
+
+    def show(self, run_id: str, status: dict[str, Any]) -> None:
+        step = int(status.get("step") or 0)
+        if step > self.shown_step[run_id]:
+            self.shown_step[run_id] = step
+            fields = " ".join(f"{k}={v}" for k, v in shown_metrics(status).items())
+            print(f"{run_id} step {step}: {fields}", flush=True)
+
+    def interrupted(self) -> bool:
+        """Ctrl-C: the first asks every run to stop; the second (True) leaves at once."""
+        pending = self.pending()
+        if any(w.stop_wanted or w.status.get("stop_requested") for w in pending):
+            for watch in pending:
+                watch.status = {**watch.status, "state": INTERRUPTED}
+            return True
+        print("\nstopping the runs ...", flush=True)
+        for watch in pending:
+            watch.stop_wanted = True
+        return False
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        return {w.run_id: w.status for w in self.watches}
+
+
+def watch_runs(
+    api: Api,
+    run_ids: list[str],
+    *,
+    supervisor: Supervisor,
+    scaler: LocalScaler | None = None,
+    signal: FleetSignal | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Polls several runs every second until all end, supervising the services and scaling the fleet's
+    replicas by its signal (when there is a scaler); returns each run's last status, by run id (as
+    `watch` does for one)."""
+    import httpx
+
+    state = RunsWatch(api, run_ids, supervisor, scaler, signal)
+    while state.pending():
+        try:
+            time.sleep(1.0)
+            state.tick()
+        except KeyboardInterrupt:
+            if state.interrupted():
+                break
+        except httpx.HTTPError:
+            continue  # said once by the run's watch; supervision goes on
+    return state.statuses()
 
 
 def prepare_resume(redis_url: str, run_id: str) -> ResumeAction:

@@ -6,9 +6,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlfabric.runspec import RUN_NAME_PATTERN
 from rlfabric.runtime.addresses import check_advertise_address, is_wildcard
 from rlfabric.runtime.config import StrictModel
 from rlfabric.runtime.schema import METRICS_OFF, METRICS_PORTS, LogConfig, RedisConfig, ServerConfig
+
+AdapterRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+"""The LoRA ranks vLLM can reserve adapter slots for (`vllm.config.lora.MaxLoRARanks`)."""
 
 
 class EngineConfig(StrictModel):
@@ -41,6 +45,21 @@ class EngineConfig(StrictModel):
     cycles from the worker's threads on the same cores), re-reading the queue at most every half of the
     time waited so far (1 ms to 1 s), so a lost wake-up costs milliseconds, not vLLM's 5 s; auto is block
     on CPU, spin on GPU."""
+    max_adapters: int = Field(default=0, ge=0, le=256)
+    """LoRA adapters the replica may hold at once beside the base model (vLLM's `max_loras`: the adapters
+    one engine step can mix); 0 turns LoRA off (adapter requests get FAILED_PRECONDITION). Loading a new
+    adapter name while all are held gets RESOURCE_EXHAUSTED: none is evicted. LoRA needs the vllm engine;
+    on CPU vLLM then runs the model without compilation."""
+    max_adapter_rank: AdapterRank = 16
+    """Largest LoRA rank r an adapter may have (vLLM's `max_lora_rank`, one of the ranks vLLM supports):
+    an adapter of a higher rank is refused with FAILED_PRECONDITION. Memory for the adapters' weights is
+    reserved at this rank for every slot, so keep it at the runs' rank."""
+
+    @model_validator(mode="after")
+    def _lora_needs_vllm(self) -> EngineConfig:
+        if self.max_adapters and self.kind != "vllm":
+            raise ValueError(f"max_adapters: LoRA adapters need engine.kind 'vllm', not {self.kind!r}")
+        return self
 
 
 class EnvironmentConnection(StrictModel):
@@ -92,10 +111,17 @@ class RolloutServiceConfig(StrictModel):
     version there (else it serves the base model as version 0), and object-store updates default to it."""
     run_id: str | None = None
     """Run whose registry and weights this replica follows; None serves the base model only."""
+    fleet: str | None = Field(default=None, pattern=RUN_NAME_PATTERN)
+    """The shared rollout fleet this replica belongs to (the runs' `rollout.fleet`), instead of one run: it
+    registers under the fleet's scope, serves the base model as version 0 and follows the fleet's members
+    (`contracts.fleet`), loading each member's announced adapter versions from the member's weights root
+    and unloading the adapter of a run that left. Excludes `run_id` and `weights_root`; needs
+    `engine.max_adapters` > 0 and `redis`."""
     redis: RedisConfig | None = None
     """Registry: replicas register here with a heartbeat TTL. None disables registration."""
     version_poll_s: float = Field(default=0.1, gt=0)
-    """How often a replica bound to a run checks the learner's announced version (and loads it)."""
+    """How often a replica bound to a run checks the learner's announced version (and loads it), and a
+    fleet replica its fleet's members and their announced versions."""
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Registry heartbeat interval; the entry expires after three missed beats."""
     learner_token: str | None = Field(default=None, min_length=1)
@@ -115,7 +141,8 @@ class RolloutServiceConfig(StrictModel):
     more before the rest is cancelled): whoever stops it should wait longer than the two together."""
     min_version_wait_s: float = Field(default=30.0, gt=0)
     """A Generate request with `min_policy_version` above the serving version waits this long for it
-    (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION."""
+    (a replica bound to a run loads each announced version), then fails with FAILED_PRECONDITION; so does
+    a request on the adapter of the replica's run, or of a member of its fleet, before it has loaded."""
     environment: EnvironmentConnection | None = None
     """The environment service of multi-turn requests; None refuses them (FAILED_PRECONDITION)."""
     insecure: bool = False
@@ -136,4 +163,23 @@ class RolloutServiceConfig(StrictModel):
                 f"server.host {self.server.host!r} binds every interface, which no client can dial: set "
                 "advertise_address (RLFABRIC_ROLLOUT__ADVERTISE_ADDRESS) to the address clients reach"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fleet_alone(self) -> RolloutServiceConfig:
+        if self.fleet is None:
+            return self
+        for name in ("run_id", "weights_root"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}: a fleet replica (fleet={self.fleet!r}) follows its fleet's runs and their "
+                    f"weights roots; unset {name}"
+                )
+        if not self.engine.max_adapters:
+            raise ValueError(
+                f"fleet: a fleet replica serves its runs' LoRA adapters: set engine.max_adapters > 0 "
+                f"(fleet={self.fleet!r})"
+            )
+        if self.redis is None:
+            raise ValueError("fleet: a fleet replica reads its fleet's members from Redis: set redis.url")
         return self

@@ -13,6 +13,10 @@ Invariants every engine keeps:
   (temperature 1, no truncation). The two agree when temperature is 1 and top-k/top-p are off.
 - `load_weights_dir` is all-or-nothing: the folder's tensor names and shapes are checked against the base
   checkpoint before the model is touched, so a refused folder leaves the old weights serving.
+- LoRA adapters (engines with `max_adapters > 0`): `load_adapter` loads or replaces one named adapter
+  without touching the base or the other adapters, all-or-nothing (a refused adapter leaves its old
+  version serving); `generate(..., adapter=ref)` samples with it. The caller (the replica) never holds
+  more than `max_adapters` names and drains an adapter's requests before replacing or unloading it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlfabric.rollout.types import EngineSample as EngineSample
 from rlfabric.rollout.types import FinishReason as FinishReason
 from rlfabric.rollout.types import SamplingSettings as SamplingSettings
+from rlfabric.runtime.errors import FailedPrecondition
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +60,20 @@ class WeightsRejected(ValueError):
     """A weights folder that does not match the model; nothing was loaded."""
 
 
+class AdaptersUnsupported(FailedPrecondition):
+    """An adapter was asked of an engine started without LoRA (`max_adapters` 0)."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One version of a named LoRA adapter: its PEFT folder (`adapter_config.json` +
+    `adapter_model.safetensors`, `rlfabric.weights.adapters.materialize_adapter`)."""
+
+    name: str
+    version: int
+    path: str
+
+
 class Engine(abc.ABC):
     """A generation engine owned by one event loop. See the module docstring for the invariants."""
 
@@ -64,6 +83,8 @@ class Engine(abc.ABC):
     """Size of the model's vocabulary: valid token ids are 0 .. vocab_size - 1."""
     _tokenizer: ChatTokenizer
     """Set by `start`."""
+    max_adapters: int = 0
+    """LoRA adapters the engine can hold at once beside the base; 0: started without LoRA."""
 
     def hf_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer, as loaded by `start` (the multi-turn driver renders the
@@ -91,9 +112,14 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[EngineSample]:
-        """Sample `sampling.n` completions of each prompt; yield each as soon as it finishes."""
+        """Sample `sampling.n` completions of each prompt (with `adapter` on the base when given, which
+        must be the version last loaded under its name); yield each as soon as it finishes."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -110,6 +136,15 @@ class Engine(abc.ABC):
         `BroadcastSource` by `contracts.wire`), receive every tensor, then load them in place and
         reset the prefix cache. Names and shapes are checked before anything is received; a transfer that
         fails or times out raises before the model is touched."""
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Load `adapter` under its name, replacing the version held (if any) in place, without touching
+        the base or other adapters. Raises `WeightsRejected` (the old version keeps serving)."""
+        raise AdaptersUnsupported(f"adapter: the {self.kind} engine serves no LoRA adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Free the slot of adapter `name` (its requests have finished)."""
+        raise AdaptersUnsupported(f"adapter: the {self.kind} engine serves no LoRA adapters")
 
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:

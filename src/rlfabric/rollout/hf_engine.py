@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfabric.rollout.engine import (
+    AdapterRef,
+    AdaptersUnsupported,
     ChatTokenizer,
     Engine,
     EngineSample,
@@ -107,10 +109,17 @@ class HfEngine(Engine):
         return self._tokenizer.chat(messages, template_kwargs)
 
     async def generate(
-        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[EngineSample]:
         """Generate prompt after prompt in a thread; after an abort the remaining samples are yielded
-        empty with finish_reason "abort". Leaving the loop early aborts the prompt in progress."""
+        empty with finish_reason "abort". Leaving the loop early aborts the prompt in progress. No LoRA
+        adapters (`AdaptersUnsupported`)."""
+        if adapter is not None:
+            raise AdaptersUnsupported("adapter: the transformers engine serves no LoRA adapters")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         request = self._requests[request_id] = _Request(submitted=time.perf_counter())

@@ -4,6 +4,13 @@ Start-up order keeps the lifecycle guarantee: the gRPC server starts first with 
 probes and the registry can see the replica starting), then the engine loads, then the latest committed
 version of the run (or the base model as version 0), and only then does health say SERVING.
 
+A run that trains a LoRA adapter publishes adapter versions to its weights root: a replica bound to it
+(`run_id`) then serves the base as version 0 and loads each of the run's versions as the adapter named
+after the run (`engine.max_adapters` must be > 0), at start and as the learner announces them. A replica
+of a shared fleet (`fleet`) is bound to no run: it registers under the fleet's scope, serves the base as
+version 0 and loads the adapter versions of the fleet's member runs as they are announced
+(`rollout.fleet`).
+
 Shutdown drains (SIGTERM, as on scale-in): the replica admits nothing new and says `draining` in the
 registry at once, so the coordinator stops dispatching to it; its admitted requests finish (up to
 `drain_timeout_s`); then the gRPC server stops and the registry entry is deleted. Nothing is re-dispatched
@@ -17,6 +24,7 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +34,7 @@ from rlfabric.contracts import keys
 from rlfabric.contracts.registry import Heartbeat, ReplicaEntry
 from rlfabric.rollout.config import EngineConfig, RolloutServiceConfig
 from rlfabric.rollout.engine import Engine
+from rlfabric.rollout.fleet import follow_fleet
 from rlfabric.rollout.replica import Limits, Replica
 from rlfabric.rollout.server import RolloutServicer
 from rlfabric.rollout.weights_source import WeightsSource
@@ -38,6 +47,7 @@ from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfabric.weights.adapters import run_adapter_name
 
 if TYPE_CHECKING:
     from rlfabric.environment.client import AsyncEnvironmentClient
@@ -98,6 +108,8 @@ def build_engine(config: EngineConfig) -> Engine:
         gpu_memory_utilization=config.gpu_memory_utilization,
         seed=config.seed,
         worker_wait=resolve_worker_wait(config.worker_wait),  # type: ignore[arg-type]
+        max_adapters=config.max_adapters,
+        max_adapter_rank=config.max_adapter_rank,
     )
 
 
@@ -116,6 +128,10 @@ class Parts:
     servicer: RolloutServicer | None = None
     redis: Any = None
 
+    def adapter_versions(self) -> dict[str, int]:
+        """The adapters the replica serves: name -> version."""
+        return {slot.name: slot.version or 0 for slot in self.replica.adapters.all()}
+
     def entry(self) -> ReplicaEntry:
         return ReplicaEntry(
             replica_id=self.replica_id,
@@ -127,6 +143,7 @@ class Parts:
             model=self.config.engine.model,
             engine=self.engine.kind,
             draining=self.replica.draining,
+            adapters=ReplicaEntry.encode_adapters(self.adapter_versions()),
         )
 
 
@@ -140,6 +157,8 @@ def assemble(config: RolloutServiceConfig) -> Parts:
         min_version_wait_s=config.min_version_wait_s,
     )
     replica = Replica(engine, limits)
+    if config.run_id and config.engine.max_adapters:
+        replica.awaited_adapter = run_adapter_name(config.run_id)
     weights = WeightsSource(engine, base_model_dir=config.engine.model, root_url=config.weights_root)
     return Parts(config, engine, replica, weights, GrpcServer(options_from_config(config.server)))
 
@@ -188,18 +207,50 @@ def environment_client(config: RolloutServiceConfig) -> AsyncEnvironmentClient |
 
 
 async def load_initial_weights(parts: Parts) -> None:
-    """The latest committed version of the run, else the base model as version 0."""
+    """The latest committed version of the run, else the base model as version 0; a run's adapter version
+    is loaded as its adapter beside the base (version 0)."""
     await parts.engine.start()
     latest = await parts.weights.latest()
-    if latest:
-        path = await parts.weights.stage(parts.weights.root_url or "", latest)
+    run_adapter = latest if latest and await parts.weights.holds_adapter(latest) else None
+    base = 0 if run_adapter else (latest or 0)
+    if base:
+        path = await parts.weights.stage(parts.weights.root_url or "", base)
         await parts.engine.load_weights_dir(path)
         await parts.engine.reset_prefix_cache()
         parts.weights.serving_dir = path
-    parts.replica.start_serving(latest or 0, parts.weights.restore_loader())
+    parts.replica.start_serving(base, parts.weights.restore_loader())
+    if run_adapter:
+        await load_run_adapter(parts, run_adapter)
     await parts.server.set_serving(SERVICE, True)
     await parts.server.set_serving("", True)
-    print(f"rlfabric rollout replica {parts.replica_id} serving version {latest or 0}", flush=True)
+    adapter = (
+        f" with adapter {run_adapter_name(parts.config.run_id or '')} version {run_adapter}"
+        if run_adapter
+        else ""
+    )
+    print(f"rlfabric rollout replica {parts.replica_id} serving version {base}{adapter}", flush=True)
+
+
+async def load_run_adapter(parts: Parts, version: int) -> None:
+    """Loads the run's adapter version `version` from the weights root, as the adapter named `run_id`."""
+    assert parts.servicer is not None
+    if not parts.config.run_id:
+        raise ConfigError("weights_root holds LoRA adapter versions: set run_id, the adapter's name")
+    request = rollout_pb2.UpdateWeightsRequest(
+        version=version,
+        adapter=run_adapter_name(parts.config.run_id),
+        object_store=rollout_pb2.ObjectStoreSource(),
+    )
+    await parts.servicer.update(request)
+    log.info("serving adapter %s version %d", run_adapter_name(parts.config.run_id), version)
+
+
+def run_version(parts: Parts) -> int:
+    """The run's version this replica serves: its adapter's when it holds the run's adapter."""
+    slot = parts.replica.adapters.get(run_adapter_name(parts.config.run_id or ""))
+    if slot is not None and slot.version is not None:
+        return slot.version
+    return parts.replica.version or 0
 
 
 async def start_heartbeat(parts: Parts) -> None:
@@ -211,13 +262,20 @@ async def start_heartbeat(parts: Parts) -> None:
     parts.redis = aioredis.Redis.from_url(
         parts.config.redis.url, socket_timeout=parts.config.redis.socket_timeout_s
     )
-    parts.heartbeat = Heartbeat(parts.redis, parts.config.run_id, parts.entry, parts.config.heartbeat_s)
+    scope = registry_scope(parts.config)
+    parts.heartbeat = Heartbeat(parts.redis, scope, parts.entry, parts.config.heartbeat_s)
     await parts.heartbeat.start()
 
 
+def registry_scope(config: RolloutServiceConfig) -> str | None:
+    """Where the replica registers: its fleet's scope, else its run (None: unbound)."""
+    return keys.fleet_scope(config.fleet) if config.fleet else config.run_id
+
+
 async def follow_versions(parts: Parts) -> None:
-    """Loads each version the learner announces in `keys.version` from the run's object store.
-    A version that fails (it does not verify, it was pruned) is skipped until a newer one is announced."""
+    """Loads each version the learner announces in `keys.version` from the run's object store (an adapter
+    version as the run's adapter). A version that fails (it does not verify, it was pruned) is skipped
+    until a newer one is announced."""
     assert parts.servicer is not None and parts.redis is not None and parts.config.run_id
     key, failed = keys.version(parts.config.run_id), -1
     while True:
@@ -227,16 +285,23 @@ async def follow_versions(parts: Parts) -> None:
         except Exception:  # tolerated: Redis may be restarting; retried at the next poll
             log.warning("could not read the announced version", exc_info=True)
             continue
-        if announced <= (parts.replica.version or 0) or announced == failed:
+        if announced <= run_version(parts) or announced == failed:
             continue
-        request = rollout_pb2.UpdateWeightsRequest(
-            version=announced, object_store=rollout_pb2.ObjectStoreSource()
-        )
         try:
-            await parts.servicer.apply(request)
+            await load_announced(parts, announced)
         except Exception:  # tolerated and counted in the log: the old version keeps serving
             failed = announced
             log.exception("could not load announced version %s; the old version keeps serving", announced)
+
+
+async def load_announced(parts: Parts, version: int) -> None:
+    """Loads an announced version of the run: as its adapter, or as the full weights."""
+    assert parts.servicer is not None
+    if await parts.weights.holds_adapter(version):
+        await load_run_adapter(parts, version)
+        return
+    request = rollout_pb2.UpdateWeightsRequest(version=version, object_store=rollout_pb2.ObjectStoreSource())
+    await parts.servicer.apply(request)
 
 
 async def export_metrics(parts: Parts) -> None:
@@ -293,8 +358,9 @@ async def run(config: RolloutServiceConfig) -> None:
     try:
         await load_initial_weights(parts)
         await start_heartbeat(parts)
-        if parts.redis is not None and config.run_id and config.weights_root:
-            tasks.append(asyncio.get_running_loop().create_task(follow_versions(parts)))
+        follower = follower_of(parts)
+        if follower is not None:
+            tasks.append(asyncio.get_running_loop().create_task(follower))
         await parts.server.wait_for_termination()
     finally:
         for task in tasks:
@@ -304,6 +370,18 @@ async def run(config: RolloutServiceConfig) -> None:
                 await parts.heartbeat.stop()
         await parts.engine.close()
         parts.weights.close()
+
+
+def follower_of(parts: Parts) -> Coroutine[Any, Any, None] | None:
+    """The loop that follows what the replica is bound to: its fleet's members, or its run's versions."""
+    config = parts.config
+    if parts.redis is None:
+        return None
+    if config.fleet:
+        return follow_fleet(parts)
+    if config.run_id and config.weights_root:
+        return follow_versions(parts)
+    return None
 
 
 def check_template_for_environment(config: RolloutServiceConfig) -> None:

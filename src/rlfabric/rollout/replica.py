@@ -11,11 +11,17 @@ No gRPC here (`server.py` adapts it). Invariants:
 - One update at a time.
 - Draining (scale-in) is one way: once `start_draining` is called nothing new is admitted (UNAVAILABLE),
   and what was admitted runs to the end (`wait_idle`).
+- LoRA adapters (`rollout.adapter_slots`) are versioned per name, beside the base: a request on an
+  adapter is admitted by the replica (its limits, a full update's pause) and by the adapter's slot, and
+  carries the adapter's version. Loading an adapter version drains (or aborts) that adapter's requests
+  only; unloading one aborts them. Adapter loads and unloads are updates too: one update at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -23,12 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfabric.contracts import wire
-from rlfabric.rollout.engine import Engine, EngineSample, SamplingSettings
+from rlfabric.rollout.adapter_slots import AdapterSlot, AdapterSlots
+from rlfabric.rollout.engine import AdapterRef, Engine, EngineSample, SamplingSettings
 from rlfabric.rollout.trajectory import Trajectory, TrajectoryDriver
+from rlfabric.runtime import failpoints
 from rlfabric.runtime.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -88,6 +97,21 @@ class Replica:
         self._new_version = asyncio.Event()  # set (and replaced) whenever the serving version changes
         self.draining = False
         self.started_at = time.monotonic()
+        self.adapters = AdapterSlots(engine.max_adapters)
+        self.awaited_adapters: frozenset[str] = frozenset()
+        """The adapters this replica is to load: the one of the run it follows (named after the run), or
+        those of its fleet's current members. A request for one waits up to `min_version_wait_s` for its
+        first version, as for a version the learner announced but the replica has not loaded yet. Any
+        other adapter the replica does not hold is NOT_FOUND at once."""
+
+    @property
+    def awaited_adapter(self) -> str:
+        """The single awaited adapter of a replica bound to a run ("" when none, or several)."""
+        return next(iter(self.awaited_adapters)) if len(self.awaited_adapters) == 1 else ""
+
+    @awaited_adapter.setter
+    def awaited_adapter(self, name: str) -> None:
+        self.awaited_adapters = frozenset({name} if name else ())
 
     @property
     def serving(self) -> bool:
@@ -118,19 +142,50 @@ class Replica:
                 )
 
     async def generate(
-        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings, min_version: int = 0
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        min_version: int = 0,
+        adapter: str = "",
     ) -> AsyncGenerator[tuple[EngineSample, int], None]:
         """Streams (sample, version at admission). Waits while an update holds admission closed, and
-        until the replica serves at least `min_version` (FailedPrecondition past `min_version_wait_s`)."""
+        until the replica serves at least `min_version` (FailedPrecondition past `min_version_wait_s`).
+        With `adapter`, generates with that LoRA adapter and the versions are the adapter's."""
         self.check_request(prompts, sampling)
-        await self._version_at_least(min_version)
-        version = await self._admit(request_id, len(prompts))
+        slot = await self._admit_on(adapter, request_id, len(prompts), min_version)
+        ref = slot.ref() if slot is not None else None
+        version = ref.version if ref is not None else self.version
+        assert version is not None
         try:
-            async for sample in self.engine.generate(request_id, prompts, sampling):
+            async for sample in self.engine.generate(request_id, prompts, sampling, ref):
+                failpoints.hit("rollout.mid_generate")  # the fault tests' death holding a request
                 self.tokens_generated += len(sample.token_ids)
                 yield sample, version
         finally:
             self._release(request_id, len(prompts))
+            if slot is not None:
+                slot.release(request_id, len(prompts))
+
+    async def _admit_on(
+        self, adapter: str, request_id: str, count: int, min_version: int
+    ) -> AdapterSlot | None:
+        """Admits a request on the base (returns None) or on `adapter`'s slot (returned)."""
+        if not adapter:
+            await self._version_at_least(min_version)
+            await self._admit(request_id, count)
+            return None
+        slot = await self._serving_slot(adapter)
+        await slot.version_at_least(min_version, self.limits.min_version_wait_s)
+        while True:  # both the replica and the slot must admit; an adapter update may close the slot
+            await slot.admitting.wait()
+            if not self.adapters.holds(slot):
+                raise NotFound(f"adapter: {adapter!r} was unloaded")
+            await self._admit(request_id, count)
+            if slot.admitting.is_set() and self.adapters.holds(slot):
+                slot.admit(request_id, count)
+                return slot
+            self._release(request_id, count)
 
     async def play(
         self,
@@ -139,15 +194,20 @@ class Replica:
         sampling: SamplingSettings,
         driver: TrajectoryDriver,
         min_version: int = 0,
+        adapter: str = "",
     ) -> AsyncGenerator[tuple[int, int, Trajectory, int], None]:
         """Plays `sampling.n` trajectories of each task at once; streams (task index, sample index,
         trajectory, version at admission) as each ends. Admission as for `generate`: the whole trajectory
-        is one admitted prompt, so every turn is generated by the admitted version."""
+        is one admitted prompt, so every turn is generated by the admitted version (with `adapter`, the
+        adapter's: `driver`, built for this request, then generates its turns with it)."""
         if not tasks:
             raise InvalidArgument("prompts: at least one prompt is required")
         check_sampling(sampling, self.limits)
-        await self._version_at_least(min_version)
-        version = await self._admit(request_id, len(tasks))
+        slot = await self._admit_on(adapter, request_id, len(tasks), min_version)
+        version = slot.version if slot is not None else self.version
+        assert version is not None
+        if slot is not None:
+            driver.generate_turn = functools.partial(self.engine_turn, adapter=slot.ref())
         keys = [(p, s) for p in range(len(tasks)) for s in range(sampling.n)]
         plays = {
             asyncio.ensure_future(
@@ -167,6 +227,8 @@ class Replica:
                 task.cancel()
             await asyncio.gather(*plays, return_exceptions=True)
             self._release(request_id, len(tasks))
+            if slot is not None:
+                slot.release(request_id, len(tasks))
 
     async def _play_one(
         self,
@@ -181,20 +243,26 @@ class Replica:
         trajectory = await driver.play(play_id, task.task, sampling, task.template_kwargs, seed)
         return p, s, trajectory
 
-    async def engine_turn(self, turn_id: str, prompt: list[int], sampling: SamplingSettings) -> EngineSample:
-        """One model turn of a trajectory (the driver's `TurnGenerator`); an update that aborts in-flight
-        work aborts it too."""
+    async def engine_turn(
+        self, turn_id: str, prompt: list[int], sampling: SamplingSettings, adapter: AdapterRef | None = None
+    ) -> EngineSample:
+        """One model turn of a trajectory (the driver's `TurnGenerator`), on `adapter` when given; an update
+        that aborts in-flight work (of the replica, or of that adapter) aborts it too."""
         if len(prompt) + sampling.max_tokens > self.engine.max_model_len:
             raise InvalidArgument(
                 wire.prompt_too_long_details(0, len(prompt), sampling.max_tokens, self.engine.max_model_len)
             )
-        self._turns.add(turn_id)
+        slot = self.adapters.get(adapter.name) if adapter is not None else None
+        turns = [self._turns] + ([slot.requests] if slot is not None else [])  # where aborts look
+        for ids in turns:
+            ids.add(turn_id)
         try:
-            async for sample in self.engine.generate(turn_id, [prompt], sampling):
+            async for sample in self.engine.generate(turn_id, [prompt], sampling, adapter):
                 self.tokens_generated += len(sample.token_ids)
                 return sample
         finally:
-            self._turns.discard(turn_id)
+            for ids in turns:
+                ids.discard(turn_id)
         raise RuntimeError(f"{turn_id}: the engine yielded no sample")
 
     async def _version_at_least(self, min_version: int) -> None:
@@ -208,6 +276,20 @@ class Replica:
                     f"min_policy_version: this replica serves version {self.version} and version "
                     f"{min_version} did not arrive within {self.limits.min_version_wait_s:g} s"
                 ) from None
+
+    async def _serving_slot(self, name: str) -> AdapterSlot:
+        """The slot of adapter `name` (NotFound when not held); an awaited adapter (`awaited_adapters`, read
+        again at each change) is waited for."""
+        deadline = time.monotonic() + self.limits.min_version_wait_s
+        while True:
+            changed = self.adapters.changed
+            try:
+                return self.adapters.serving(name)
+            except NotFound:
+                if name not in self.awaited_adapters or time.monotonic() >= deadline:
+                    raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0))
 
     def _set_version(self, version: int | None) -> None:
         self.version = version
@@ -317,6 +399,81 @@ class Replica:
             await self._recover(exc)
             raise
         return time.monotonic() - start
+
+    # --- adapters ---------------------------------------------------------------------------------
+
+    async def update_adapter(
+        self, name: str, version: int, path: str, *, abort_in_flight: bool, timeout_s: float
+    ) -> UpdateTimings | None:
+        """Loads version `version` of adapter `name` from the PEFT folder `path` (a new name takes a free
+        slot: ResourceExhausted when none is left). None when that version already serves."""
+        async with self._update_lock:
+            slot = self.adapters.reserve(name)
+            try:
+                if slot.version is not None and version <= slot.version:
+                    self.check_not_older(version, slot.version, f"adapter {name!r}")
+                    return None
+                return await self._update_adapter_locked(slot, version, path, abort_in_flight, timeout_s)
+            finally:
+                self.adapters.drop_if_unloaded(slot)
+
+    @staticmethod
+    def check_not_older(version: int, serving: int, what: str) -> None:
+        """FailedPrecondition when `version` is older than the `serving` one of `what`."""
+        if version < serving:
+            raise FailedPrecondition(f"version: {version} is older than {what}'s serving version {serving}")
+
+    async def _update_adapter_locked(
+        self, slot: AdapterSlot, version: int, path: str, abort_in_flight: bool, timeout_s: float
+    ) -> UpdateTimings:
+        """Close the slot, drain it, load (the engine's load is all-or-nothing and is not cut short by
+        the deadline once started: the old version serves on if it fails), set the version, reopen."""
+        deadline = time.monotonic() + timeout_s
+        slot.admitting.clear()
+        try:
+            drain_s = await self._drain_slot(slot, abort_in_flight, deadline)
+            start = time.monotonic()
+            try:
+                await self.engine.load_adapter(AdapterRef(slot.name, version, path))
+            except ValueError as exc:  # refused before the old version was dropped
+                raise FailedPrecondition(f"adapter {slot.name!r} refused by the engine: {exc}") from exc
+            load_s = time.monotonic() - start
+        finally:
+            slot.admitting.set()
+        slot.set_version(version, path)
+        self.adapters.notify()
+        self.last_load_s = load_s
+        return UpdateTimings(version, drain_s, load_s)
+
+    async def _drain_slot(self, slot: AdapterSlot, abort_in_flight: bool, deadline: float) -> float:
+        start = time.monotonic()
+        if abort_in_flight:
+            for request_id in list(slot.requests):
+                await self.engine.abort(request_id)
+        try:
+            await asyncio.wait_for(slot.idle.wait(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{slot.in_flight} prompts still in flight on adapter {slot.name!r} at the update deadline; "
+                "its old version keeps serving"
+            ) from None
+        return time.monotonic() - start
+
+    async def unload_adapter(self, name: str, timeout_s: float) -> tuple[int, int]:
+        """Aborts the adapter's requests, frees its slot in the engine and here; returns (the version it
+        held, prompts aborted)."""
+        async with self._update_lock:
+            slot = self.adapters.serving(name)
+            slot.admitting.clear()
+            aborted = slot.in_flight
+            try:
+                await self._drain_slot(slot, True, time.monotonic() + timeout_s)
+                await self.engine.unload_adapter(name)
+            except BaseException:
+                slot.admitting.set()
+                raise
+            self.adapters.remove(slot)
+            return slot.version or 0, aborted
 
     async def _recover(self, exc: BaseException) -> None:
         """After a failed load the engine may hold a mix of weights: reload the serving version's."""

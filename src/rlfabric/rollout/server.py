@@ -1,8 +1,9 @@
 """The RolloutService gRPC adapter: proto -> `Replica` / `Engine` calls -> proto (`contracts.wire`).
 
-Authentication and the prompt checks live here: UpdateWeights takes the learner's token only, every other
-RPC its clients' token (health and reflection are other services and stay open); the rules about versions,
-admission and draining live in `replica.py`, and where weights come from in `weights_source.py`.
+Authentication and the prompt checks live here: UpdateWeights and UnloadAdapter take the learner's token
+only, every other RPC its clients' token (health and reflection are other services and stay open); the
+rules about versions, admission, draining and adapter slots live in `replica.py`, and where weights come
+from in `weights_source.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate, UpdateWeights and GetInfo. Each checks its bearer token before reading the request:
-    `learner_token` on UpdateWeights, `client_token` on the others (a client's token does not authorise
-    an update, nor the learner's a generation); a token of None accepts every call."""
+    """Generate, UpdateWeights, UnloadAdapter and GetInfo. Each checks its bearer token before reading the
+    request: `learner_token` on UpdateWeights and UnloadAdapter, `client_token` on the others (a client's
+    token does not authorise an update, nor the learner's a generation); a token of None accepts every
+    call."""
 
     def __init__(
         self,
@@ -68,7 +70,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return
         prompts = [self.tokenize(i, p.prompt) for i, p in enumerate(request.prompts)]
         sampling = wire.sampling_from_proto(request.sampling)
-        stream = self.replica.generate(request.request_id, prompts, sampling, request.min_policy_version)
+        stream = self.replica.generate(
+            request.request_id, prompts, sampling, request.min_policy_version, request.adapter
+        )
         try:
             async for sample, version in stream:
                 yield self.sample_to_proto(request, sample, version)
@@ -81,7 +85,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         tasks = [self.play_task(i, p) for i, p in enumerate(request.prompts)]
         sampling = wire.sampling_from_proto(request.sampling)
         started = time.perf_counter()
-        stream = self.replica.play(request.request_id, tasks, sampling, driver, request.min_policy_version)
+        stream = self.replica.play(
+            request.request_id, tasks, sampling, driver, request.min_policy_version, request.adapter
+        )
         try:
             async for p, s, trajectory, version in stream:
                 yield wire.trajectory_to_proto(
@@ -127,6 +133,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
         check_bearer(context, self.learner_token)
+        return await self.update(request)
+
+    async def update(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        """An authorised update: of an adapter when `request.adapter` is set, else of the full weights."""
+        if request.adapter:
+            return await self.apply_adapter(request)
         return await self.apply(request)
 
     async def apply(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
@@ -159,6 +171,58 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             load_seconds=timings.load_s if timings else 0.0,
         )
 
+    async def apply_adapter(
+        self, request: rollout_pb2.UpdateWeightsRequest
+    ) -> rollout_pb2.UpdateWeightsResponse:
+        """Loads version `request.version` of adapter `request.adapter` from its source (object store or
+        broadcast), staged into a folder before the replica drains anything."""
+        name, adapters = request.adapter, self.replica.adapters
+        adapters.check_room(name)
+        held = adapters.get(name)
+        if held is not None and held.version is not None and request.version <= held.version:
+            self.replica.check_not_older(request.version, held.version, f"adapter {name!r}")
+            return rollout_pb2.UpdateWeightsResponse(version=held.version)  # already serving it: a no-op
+        start, timeout_s = time.monotonic(), request.timeout_seconds or self.update_timeout_s
+        path = await self.weights.prepare_adapter(request, timeout_s)
+        transfer_s, old_path = time.monotonic() - start, held.path if held else None
+        try:
+            timings = await self.replica.update_adapter(
+                name,
+                request.version,
+                path,
+                abort_in_flight=request.abort_in_flight,
+                timeout_s=timeout_s,
+            )
+        finally:
+            self.discard_unused(name, path, old_path)
+        return rollout_pb2.UpdateWeightsResponse(
+            version=request.version,
+            drain_seconds=timings.drain_s if timings else 0.0,
+            transfer_seconds=transfer_s,
+            load_seconds=timings.load_s if timings else 0.0,
+        )
+
+    def discard_unused(self, name: str, *paths: str | None) -> None:
+        """Deletes those of `paths` that adapter `name` does not serve from (replaced, refused, or staged
+        by an update that found its version already serving)."""
+        serving = self.replica.adapters.get(name)
+        for path in set(paths) - {serving.path if serving else None}:
+            self.weights.discard_adapter(path)
+
+    async def UnloadAdapter(
+        self, request: rollout_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UnloadAdapterResponse:
+        check_bearer(context, self.learner_token)
+        return await self.unload(request.adapter)
+
+    async def unload(self, name: str) -> rollout_pb2.UnloadAdapterResponse:
+        """An authorised unload of adapter `name` (by the RPC's token, or because the replica's fleet no
+        longer has the adapter's run): its requests are aborted, its slot and folder freed."""
+        held = self.replica.adapters.serving(name)
+        version, aborted = await self.replica.unload_adapter(name, self.update_timeout_s)
+        self.weights.discard_adapter(held.path)
+        return rollout_pb2.UnloadAdapterResponse(version=version, aborted=aborted)
+
     async def GetInfo(
         self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ReplicaInfo:
@@ -173,6 +237,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             in_flight=self.replica.in_flight,
             max_in_flight=self.replica.limits.max_in_flight,
             tokens_generated=self.replica.tokens_generated,
+            adapters=[
+                rollout_pb2.AdapterInfo(name=s.name, version=s.version or 0, in_flight=s.in_flight)
+                for s in self.replica.adapters.all()
+            ],
+            max_adapters=self.replica.adapters.capacity,
         )
 
     def tokenize(self, index: int, prompt: common_pb2.Prompt) -> list[int]:

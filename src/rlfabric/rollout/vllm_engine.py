@@ -22,25 +22,39 @@ the meta device), and a missing tensor only logs a warning and keeps that layer'
 mixed model). Hence `load_weights_dir` checks names and shapes against the base checkpoint first and
 refuses any mismatch before the worker is called. Samples in flight during a reload finish on the new
 weights (vLLM applies the reload between two steps); drain or abort first when that matters.
+
+LoRA (`max_adapters > 0`: vLLM's `enable_lora`, `max_loras = max_adapters`, its CPU backend included,
+where vLLM then runs the model uncompiled): each adapter name keeps one `lora_int_id` for the engine's
+life, and each version is its own PEFT folder. `load_adapter` is `AsyncLLM.add_lora` with
+`load_inplace=True`: vLLM reads and checks the new folder before it drops the old version, so a refused
+adapter leaves the old one serving, and the base is never reloaded. Every request on an adapter carries a
+`LoRARequest` of the current version's folder; vLLM keys its prefix cache on that folder too, so cached
+prompt blocks of an older version are never reused for a newer one (no cache reset needed). vLLM's CPU
+cache of adapters (`max_cpu_loras`) is sized to `max_adapters` as well: the replica never asks for more
+names, so vLLM never evicts one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from rlfabric.rollout.engine import (
+    AdapterRef,
     ChatTokenizer,
     Engine,
     EngineSample,
@@ -90,6 +104,28 @@ def chunked_prefill(*, cpu: bool) -> bool | None:
     `max_model_len`), nothing is discarded and seeded sampling is safe. On two CPU cores the throughput
     is unchanged (see the rollout docs); a GPU keeps vLLM's default."""
     return False if cpu else None
+
+
+def lora_args(max_adapters: int, max_rank: int) -> dict[str, Any]:
+    """vLLM engine arguments for `max_adapters` LoRA slots of rank up to `max_rank` (none when 0)."""
+    if max_adapters <= 0:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": max_adapters,
+        "max_cpu_loras": max_adapters,
+        "max_lora_rank": max_rank,
+    }
+
+
+def adapter_rank(path: str) -> int:
+    """The rank r in a PEFT folder's adapter_config.json (`WeightsRejected` when it has none)."""
+    from rlfabric.weights.adapters import ADAPTER_CONFIG_FILE
+
+    try:
+        return int(json.loads((Path(path) / ADAPTER_CONFIG_FILE).read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WeightsRejected(f"{path}: no readable LoRA rank in {ADAPTER_CONFIG_FILE} ({exc!r})") from exc
 
 
 def executor_backend(worker_wait: Literal["spin", "block"]) -> str | None:
@@ -144,6 +180,8 @@ class VllmEngine(Engine):
         logprobs_mode: LogprobsMode = "processed",
         gpu_memory_utilization: float = 0.85,
         worker_wait: Literal["spin", "block"] = "spin",
+        max_adapters: int = 0,
+        max_adapter_rank: int = 16,
     ) -> None:
         self.model_path = model_path
         self.vocab_size = model_vocab_size(model_path)
@@ -164,7 +202,12 @@ class VllmEngine(Engine):
             disable_log_stats=False,
             distributed_executor_backend=executor_backend(worker_wait),
             enable_chunked_prefill=chunked_prefill(cpu=current_platform.is_cpu()),
+            **lora_args(max_adapters, max_adapter_rank),
         )
+        self.max_adapters = max_adapters
+        self.max_adapter_rank = max_adapter_rank
+        self._lora_ids: dict[str, int] = {}
+        """Adapter name -> its vLLM `lora_int_id` (1, 2, ...), stable for the engine's life."""
         self._llm: AsyncLLM | None = None
         self._stats = _StatsRecorder()
         self._requests: dict[str, list[str]] = {}
@@ -197,7 +240,11 @@ class VllmEngine(Engine):
         return self._tokenizer.chat(messages, template_kwargs)
 
     async def generate(
-        self, request_id: str, prompts: list[list[int]], sampling: SamplingSettings
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[EngineSample]:
         """Submit every sample as its own vLLM request; yield them in finishing order. Leaving the loop
         early cancels the unfinished ones, which makes vLLM abort them."""
@@ -207,8 +254,11 @@ class VllmEngine(Engine):
         self._requests[request_id] = [f"{request_id}/{p}/{s}" for p, s in keys]
         finished: asyncio.Queue[EngineSample | Exception] = asyncio.Queue()
         submitted = time.perf_counter()
+        lora = self._lora_request(adapter)
         tasks = [
-            asyncio.create_task(self._run_sample(finished, request_id, p, s, prompts[p], sampling, submitted))
+            asyncio.create_task(
+                self._run_sample(finished, request_id, p, s, prompts[p], sampling, submitted, lora)
+            )
             for p, s in keys
         ]
         try:
@@ -232,12 +282,14 @@ class VllmEngine(Engine):
         prompt: list[int],
         sampling: SamplingSettings,
         submitted: float,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Generate one sample to the end and put it (or the error that ended it) on `finished`."""
         params = self._sampling_params(sampling, sampling.sample_seed(prompt_index, sample_index))
         vllm_id = f"{request_id}/{prompt_index}/{sample_index}"
         try:
-            outputs = self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, vllm_id)
+            prompt_in = TokensPrompt(prompt_token_ids=prompt)
+            outputs = self.llm.generate(prompt_in, params, vllm_id, lora_request=lora)
             final = [out async for out in outputs][-1]  # FINAL_ONLY: a single output
             sample = self._sample(final, prompt_index, sample_index, prompt, submitted, params.detokenize)
             finished.put_nowait(sample)
@@ -307,6 +359,33 @@ class VllmEngine(Engine):
         check_weights_dir(path, self._expected_weights)
         await self.llm.collective_rpc("rlfabric_load_weights_dir", args=(path,))
         await self.reset_prefix_cache()
+
+    def _lora_request(self, adapter: AdapterRef | None, *, replace: bool = False) -> LoRARequest | None:
+        """vLLM's request for `adapter`'s folder under its name's stable id; `replace` reloads it in
+        place even though the id is loaded."""
+        if adapter is None:
+            return None
+        lora_id = self._lora_ids.setdefault(adapter.name, len(self._lora_ids) + 1)
+        return LoRARequest(adapter.name, lora_id, adapter.path, load_inplace=replace)
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Check the rank, then load the folder in place under the name's id (vLLM loads and checks the
+        new version before it drops the old one). Raises `WeightsRejected`; the old version stays."""
+        rank = adapter_rank(adapter.path)
+        if rank > self.max_adapter_rank:
+            limit = f"engine.max_adapter_rank {self.max_adapter_rank}"
+            raise WeightsRejected(f"adapter {adapter.name!r}: rank {rank} exceeds {limit}")
+        request = self._lora_request(adapter, replace=True)
+        assert request is not None
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # vLLM refused the folder (modules, shapes) in its engine core
+            raise WeightsRejected(f"adapter {adapter.name!r}: vLLM refused it: {exc}") from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        """Remove the adapter from vLLM (its id stays reserved for the name)."""
+        if name in self._lora_ids:
+            await self.llm.remove_lora(self._lora_ids[name])
 
     async def receive_broadcast(self, plan: BroadcastPlan) -> None:
         """The worker joins the group and loads what it receives (see `RlfabricWorkerExtension`)."""

@@ -1,6 +1,6 @@
 """A process guard: runs one service and makes sure nothing it started outlives it or its parent.
 
-    python -m rlfabric.runtime.guard [--grace S] -- ARGV...
+    python -m rlfabric.runtime.guard [--grace S] [--cpus LIST] -- ARGV...
 
 `rlfabric up` launches every service through a guard, because killing a service's PID alone leaves its
 helpers behind (a vLLM replica's EngineCore and multiprocessing resource tracker were found orphaned under
@@ -17,6 +17,9 @@ Invariants:
 4. SIGTERM and SIGINT to the guard are forwarded to the service (a graceful stop); 2 follows its exit.
 5. If the guard itself is SIGKILLed, the service gets SIGKILL too (PR_SET_PDEATHSIG); whoever kills a
    guard should kill its process group, which the guard leads (`ServiceProcess.kill` does).
+
+With `--cpus` ("1", "0-3", "0,2") the guard confines itself to those cores before it starts the service, so
+the service and everything it starts inherit the set (`rlfabric up --learner-cores`).
 
 The guard's first output line is `rlfabric-guard: service pid N`; the service's own output follows on the
 same stdout/stderr.
@@ -176,14 +179,28 @@ class Guard:
             os.kill(self.child, signum)
 
 
+def cpu_list(text: str) -> set[int]:
+    """`--cpus`: core numbers and ranges, comma-separated ("1", "0-3,6")."""
+    cores: set[int] = set()
+    for chunk in text.split(","):
+        bounds = chunk.strip().split("-")
+        if len(bounds) > 2 or not all(b.isdigit() for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+            raise argparse.ArgumentTypeError(f"expected cores like 1 or 0-3,6, got {text!r}")
+        cores.update(range(int(bounds[0]), int(bounds[-1]) + 1))
+    return cores
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlfabric.runtime.guard", description=__doc__)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (5)")
+    parser.add_argument("--cpus", type=cpu_list, help="run the service on these cores only (e.g. 1 or 0-3,6)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the service's argv")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command to guard")
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     guard = Guard(command, args.grace)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -25,43 +25,49 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xa0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07prompts\x18\x02 \x03(\x0b\x32\x1b.rlfabric.v1.GeneratePrompt\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x04\x12*\n\nmulti_turn\x18\x05 \x01(\x0b\x32\x16.rlfabric.v1.MultiTurn\"8\n\tMultiTurn\x12\x11\n\tmax_turns\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\"\x8b\x02\n\nTrajectory\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlfabric.v1.TrajectoryStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tloss_mask\x18\x03 \x01(\x0c\x12 \n\x05turns\x18\x04 \x03(\x0b\x32\x11.rlfabric.v1.Turn\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12\x12\n\ntool_calls\x18\x06 \x01(\r\x12\x13\n\x0btool_errors\x18\x07 \x01(\r\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x04\"[\n\x0eGeneratePrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x11\n\ttask_json\x18\x03 \x01(\t\"\xe9\x02\n\x0fGeneratedSample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x14\n\x0cprompt_index\x18\x03 \x01(\r\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x30\n\rfinish_reason\x18\t \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\n \x01(\x04\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12+\n\x07timings\x18\x0c \x01(\x0b\x32\x1a.rlfabric.v1.SampleTimings\x12+\n\ntrajectory\x18\r \x01(\x0b\x32\x17.rlfabric.v1.Trajectory\"C\n\rSampleTimings\x12\x1b\n\x13\x66irst_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\"\xce\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x36\n\x0cobject_store\x18\x02 \x01(\x0b\x32\x1e.rlfabric.v1.ObjectStoreSourceH\x00\x12\x31\n\tbroadcast\x18\x03 \x01(\x0b\x32\x1c.rlfabric.v1.BroadcastSourceH\x00\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x42\x08\n\x06source\"%\n\x11ObjectStoreSource\x12\x10\n\x08root_url\x18\x01 \x01(\t\"\xb1\x01\n\x0f\x42roadcastSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12(\n\x07tensors\x18\x06 \x03(\x0b\x32\x17.rlfabric.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x04\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"o\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rdrain_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xbe\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04*\xfe\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAJECTORY_STATUS_DONE\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1f\n\x1bTRAJECTORY_STATUS_ENV_ERROR\x10\x03\x12!\n\x1dTRAJECTORY_STATUS_ENV_TIMEOUT\x10\x04\x12\'\n#TRAJECTORY_STATUS_TEMPLATE_MISMATCH\x10\x05\x12\x1d\n\x19TRAJECTORY_STATUS_ABORTED\x10\x06\x32\xf4\x01\n\x0eRolloutService\x12H\n\x08Generate\x12\x1c.rlfabric.v1.GenerateRequest\x1a\x1c.rlfabric.v1.GeneratedSample0\x01\x12V\n\rUpdateWeights\x12!.rlfabric.v1.UpdateWeightsRequest\x1a\".rlfabric.v1.UpdateWeightsResponse\x12@\n\x07GetInfo\x12\x1b.rlfabric.v1.GetInfoRequest\x1a\x18.rlfabric.v1.ReplicaInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\xa0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07prompts\x18\x02 \x03(\x0b\x32\x1b.rlfabric.v1.GeneratePrompt\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x04\x12*\n\nmulti_turn\x18\x05 \x01(\x0b\x32\x16.rlfabric.v1.MultiTurn\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"8\n\tMultiTurn\x12\x11\n\tmax_turns\x18\x01 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\r\"\x8b\x02\n\nTrajectory\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlfabric.v1.TrajectoryStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tloss_mask\x18\x03 \x01(\x0c\x12 \n\x05turns\x18\x04 \x03(\x0b\x32\x11.rlfabric.v1.Turn\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.rlfabric.v1.ChatMessage\x12\x12\n\ntool_calls\x18\x06 \x01(\r\x12\x13\n\x0btool_errors\x18\x07 \x01(\r\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x04\"[\n\x0eGeneratePrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12#\n\x06prompt\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Prompt\x12\x11\n\ttask_json\x18\x03 \x01(\t\"\xe9\x02\n\x0fGeneratedSample\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x14\n\x0cprompt_index\x18\x03 \x01(\r\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x30\n\rfinish_reason\x18\t \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\n \x01(\x04\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12+\n\x07timings\x18\x0c \x01(\x0b\x32\x1a.rlfabric.v1.SampleTimings\x12+\n\ntrajectory\x18\r \x01(\x0b\x32\x17.rlfabric.v1.Trajectory\"C\n\rSampleTimings\x12\x1b\n\x13\x66irst_token_seconds\x18\x01 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\"\xdf\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x36\n\x0cobject_store\x18\x02 \x01(\x0b\x32\x1e.rlfabric.v1.ObjectStoreSourceH\x00\x12\x31\n\tbroadcast\x18\x03 \x01(\x0b\x32\x1c.rlfabric.v1.BroadcastSourceH\x00\x12\x17\n\x0f\x61\x62ort_in_flight\x18\x04 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\tB\x08\n\x06source\"%\n\x11ObjectStoreSource\x12\x10\n\x08root_url\x18\x01 \x01(\t\"\xce\x01\n\x0f\x42roadcastSource\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12(\n\x07tensors\x18\x06 \x03(\x0b\x32\x17.rlfabric.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x04\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x08 \x01(\t\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"o\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rdrain_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"9\n\x15UnloadAdapterResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\r\"\x10\n\x0eGetInfoRequest\"?\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tin_flight\x18\x03 \x01(\r\"\x80\x02\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04\x12*\n\x08\x61\x64\x61pters\x18\n \x03(\x0b\x32\x18.rlfabric.v1.AdapterInfo\x12\x14\n\x0cmax_adapters\x18\x0b \x01(\r*\xfe\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAJECTORY_STATUS_DONE\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1f\n\x1bTRAJECTORY_STATUS_ENV_ERROR\x10\x03\x12!\n\x1dTRAJECTORY_STATUS_ENV_TIMEOUT\x10\x04\x12\'\n#TRAJECTORY_STATUS_TEMPLATE_MISMATCH\x10\x05\x12\x1d\n\x19TRAJECTORY_STATUS_ABORTED\x10\x06\x32\xcc\x02\n\x0eRolloutService\x12H\n\x08Generate\x12\x1c.rlfabric.v1.GenerateRequest\x1a\x1c.rlfabric.v1.GeneratedSample0\x01\x12V\n\rUpdateWeights\x12!.rlfabric.v1.UpdateWeightsRequest\x1a\".rlfabric.v1.UpdateWeightsResponse\x12V\n\rUnloadAdapter\x12!.rlfabric.v1.UnloadAdapterRequest\x1a\".rlfabric.v1.UnloadAdapterResponse\x12@\n\x07GetInfo\x12\x1b.rlfabric.v1.GetInfoRequest\x1a\x18.rlfabric.v1.ReplicaInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAJECTORYSTATUS']._serialized_start=2101
-  _globals['_TRAJECTORYSTATUS']._serialized_end=2355
+  _globals['_TRAJECTORYSTATUS']._serialized_start=2395
+  _globals['_TRAJECTORYSTATUS']._serialized_end=2649
   _globals['_SAMPLINGPARAMS']._serialized_start=69
   _globals['_SAMPLINGPARAMS']._serialized_end=229
   _globals['_GENERATEREQUEST']._serialized_start=232
-  _globals['_GENERATEREQUEST']._serialized_end=434
-  _globals['_MULTITURN']._serialized_start=436
-  _globals['_MULTITURN']._serialized_end=492
-  _globals['_TRAJECTORY']._serialized_start=495
-  _globals['_TRAJECTORY']._serialized_end=762
-  _globals['_GENERATEPROMPT']._serialized_start=764
-  _globals['_GENERATEPROMPT']._serialized_end=855
-  _globals['_GENERATEDSAMPLE']._serialized_start=858
-  _globals['_GENERATEDSAMPLE']._serialized_end=1219
-  _globals['_SAMPLETIMINGS']._serialized_start=1221
-  _globals['_SAMPLETIMINGS']._serialized_end=1288
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1291
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1497
-  _globals['_OBJECTSTORESOURCE']._serialized_start=1499
-  _globals['_OBJECTSTORESOURCE']._serialized_end=1536
-  _globals['_BROADCASTSOURCE']._serialized_start=1539
-  _globals['_BROADCASTSOURCE']._serialized_end=1716
-  _globals['_TENSORSPEC']._serialized_start=1718
-  _globals['_TENSORSPEC']._serialized_end=1774
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1776
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1887
-  _globals['_GETINFOREQUEST']._serialized_start=1889
-  _globals['_GETINFOREQUEST']._serialized_end=1905
-  _globals['_REPLICAINFO']._serialized_start=1908
-  _globals['_REPLICAINFO']._serialized_end=2098
-  _globals['_ROLLOUTSERVICE']._serialized_start=2358
-  _globals['_ROLLOUTSERVICE']._serialized_end=2602
+  _globals['_GENERATEREQUEST']._serialized_end=451
+  _globals['_MULTITURN']._serialized_start=453
+  _globals['_MULTITURN']._serialized_end=509
+  _globals['_TRAJECTORY']._serialized_start=512
+  _globals['_TRAJECTORY']._serialized_end=779
+  _globals['_GENERATEPROMPT']._serialized_start=781
+  _globals['_GENERATEPROMPT']._serialized_end=872
+  _globals['_GENERATEDSAMPLE']._serialized_start=875
+  _globals['_GENERATEDSAMPLE']._serialized_end=1236
+  _globals['_SAMPLETIMINGS']._serialized_start=1238
+  _globals['_SAMPLETIMINGS']._serialized_end=1305
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1308
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1531
+  _globals['_OBJECTSTORESOURCE']._serialized_start=1533
+  _globals['_OBJECTSTORESOURCE']._serialized_end=1570
+  _globals['_BROADCASTSOURCE']._serialized_start=1573
+  _globals['_BROADCASTSOURCE']._serialized_end=1779
+  _globals['_TENSORSPEC']._serialized_start=1781
+  _globals['_TENSORSPEC']._serialized_end=1837
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1839
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1950
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1952
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1991
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1993
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2050
+  _globals['_GETINFOREQUEST']._serialized_start=2052
+  _globals['_GETINFOREQUEST']._serialized_end=2068
+  _globals['_ADAPTERINFO']._serialized_start=2070
+  _globals['_ADAPTERINFO']._serialized_end=2133
+  _globals['_REPLICAINFO']._serialized_start=2136
+  _globals['_REPLICAINFO']._serialized_end=2392
+  _globals['_ROLLOUTSERVICE']._serialized_start=2652
+  _globals['_ROLLOUTSERVICE']._serialized_end=2984
 # @@protoc_insertion_point(module_scope)

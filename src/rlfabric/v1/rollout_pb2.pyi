@@ -46,18 +46,20 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "min_policy_version", "multi_turn")
+    __slots__ = ("request_id", "prompts", "sampling", "min_policy_version", "multi_turn", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[GeneratePrompt]
     sampling: SamplingParams
     min_policy_version: int
     multi_turn: MultiTurn
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[GeneratePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class MultiTurn(_message.Message):
     __slots__ = ("max_turns", "max_total_tokens")
@@ -138,18 +140,20 @@ class SampleTimings(_message.Message):
     def __init__(self, first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "object_store", "broadcast", "abort_in_flight", "timeout_seconds")
+    __slots__ = ("version", "object_store", "broadcast", "abort_in_flight", "timeout_seconds", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_STORE_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     ABORT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     object_store: ObjectStoreSource
     broadcast: BroadcastSource
     abort_in_flight: bool
     timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., object_store: _Optional[_Union[ObjectStoreSource, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastSource, _Mapping]] = ..., abort_in_flight: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    adapter: str
+    def __init__(self, version: _Optional[int] = ..., object_store: _Optional[_Union[ObjectStoreSource, _Mapping]] = ..., broadcast: _Optional[_Union[BroadcastSource, _Mapping]] = ..., abort_in_flight: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ObjectStoreSource(_message.Message):
     __slots__ = ("root_url",)
@@ -158,7 +162,7 @@ class ObjectStoreSource(_message.Message):
     def __init__(self, root_url: _Optional[str] = ...) -> None: ...
 
 class BroadcastSource(_message.Message):
-    __slots__ = ("master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes")
+    __slots__ = ("master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes", "adapter_config_json")
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +170,7 @@ class BroadcastSource(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     rank: int
@@ -173,7 +178,8 @@ class BroadcastSource(_message.Message):
     backend: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     bucket_bytes: int
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    adapter_config_json: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., adapter_config_json: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -197,12 +203,36 @@ class UpdateWeightsResponse(_message.Message):
     load_seconds: float
     def __init__(self, version: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
 
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    def __init__(self, adapter: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("version", "aborted")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    aborted: int
+    def __init__(self, version: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "version", "in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    in_flight: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "address", "model", "engine", "policy_version", "serving", "in_flight", "max_in_flight", "tokens_generated")
+    __slots__ = ("replica_id", "address", "model", "engine", "policy_version", "serving", "in_flight", "max_in_flight", "tokens_generated", "adapters", "max_adapters")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +242,8 @@ class ReplicaInfo(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     model: str
@@ -221,4 +253,6 @@ class ReplicaInfo(_message.Message):
     in_flight: int
     max_in_flight: int
     tokens_generated: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., serving: _Optional[bool] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_adapters: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., serving: _Optional[bool] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ...) -> None: ...

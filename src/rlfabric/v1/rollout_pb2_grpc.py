@@ -44,6 +44,11 @@ class RolloutServiceStub:
                 request_serializer=rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/rlfabric.v1.RolloutService/UnloadAdapter',
+                request_serializer=rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/rlfabric.v1.RolloutService/GetInfo',
                 request_serializer=rlfabric_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
@@ -73,6 +78,22 @@ class RolloutServiceServicer:
         DEADLINE_EXCEEDED on timeout). Requires the learner's bearer token in the `authorization` metadata
         when the replica is configured with one (UNAUTHENTICATED otherwise); the clients' token does not
         authorise it.
+        With `adapter` set it loads that adapter's version instead (see UpdateWeightsRequest.adapter): only
+        that adapter's requests are drained or aborted; the base and the other adapters keep serving.
+        RESOURCE_EXHAUSTED when a new adapter name would exceed the replica's `max_adapters` (no adapter is
+        ever evicted to make room), FAILED_PRECONDITION when the replica was started without LoRA or the
+        version is not an adapter (or the engine refuses it: rank above the replica's maximum, unknown
+        target modules; a broadcast of tensors that are not LoRA tensors is refused before the transfer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter and frees its slot (a run that ends frees its adapters). Requests in flight on
+        the adapter are aborted first (their samples finish with FINISH_REASON_ABORT); the base and other
+        adapters keep serving. NOT_FOUND when the replica holds no such adapter, FAILED_PRECONDITION when it
+        was started without LoRA. Authorised as UpdateWeights (the learner's token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +119,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -159,6 +185,33 @@ class RolloutService:
             '/rlfabric.v1.RolloutService/UpdateWeights',
             rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             rlfabric_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfabric.v1.RolloutService/UnloadAdapter',
+            rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.SerializeToString,
+            rlfabric_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

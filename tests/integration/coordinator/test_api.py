@@ -26,11 +26,14 @@ from rlfabric.coordinator.api import (
     MetricsPage,
     RunList,
     RunStatus,
+    SubmittedRun,
     ValidationErrorBody,
     create_app,
 )
 from rlfabric.coordinator.config import CoordinatorServiceConfig
+from rlfabric.coordinator.fleet_api import FleetBody
 from rlfabric.coordinator.manager import RunManager
+from rlfabric.coordinator.plan_api import PlanBody
 from rlfabric.coordinator.prefs_builds import BuildList, BuildRecord
 from rlfabric.coordinator.runs import RunRecord, RunStore
 from rlfabric.runspec import MAX_TOKENS
@@ -567,7 +570,7 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     m.__name__: m
     for m in (ErrorBody, ValidationErrorBody, HealthBody, RunRecord, RunList, RunStatus, MetricsPage)
 }
-BODY_MODELS.update({m.__name__: m for m in (BuildRecord, BuildList)})
+BODY_MODELS.update({m.__name__: m for m in (BuildRecord, BuildList, PlanBody, SubmittedRun, FleetBody)})
 """The document's schema names -> the models that check a response body."""
 
 TOO_LARGE = {"Content-Length": "5000", "Content-Type": "application/json"}
@@ -583,8 +586,11 @@ PIPELINE = {"name": "probe", "source": {"kind": "file", "path": "examples/prefs/
 """A pipeline without judges: its build only reads, cleans and writes (prefs.max_queued = 1)."""
 
 
-async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, str], list[httpx.Response]]:
-    """The answers of the /v1/prefs routes: the first build is still running when the second comes (429)."""
+async def prefs_probes(
+    call: Any, oversize: dict[str, Any], run_auth: dict[str, str]
+) -> dict[tuple[str, str], list[httpx.Response]]:
+    """The answers of the /v1/prefs routes: the first build is still running when the second comes (429);
+    a run's token (`run_auth`) is refused (403)."""
     queued = await call("POST", "/v1/prefs/builds", json=PIPELINE)
     build = f"/v1/prefs/builds/{queued.json()['build_id']}"
     return {
@@ -592,6 +598,7 @@ async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, s
             queued,
             await call("POST", "/v1/prefs/builds", json=PIPELINE),
             await call("POST", "/v1/prefs/builds", {}, json=PIPELINE),
+            await call("POST", "/v1/prefs/builds", run_auth, json=PIPELINE),
             await call("POST", "/v1/prefs/builds", **oversize),
             await call("POST", "/v1/prefs/builds", content=streamed()),
             await call(
@@ -601,12 +608,14 @@ async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, s
         ("get", "/v1/prefs/builds"): [
             await call("GET", "/v1/prefs/builds"),
             await call("GET", "/v1/prefs/builds", {}),
+            await call("GET", "/v1/prefs/builds", run_auth),
             await call("GET", "/v1/prefs/builds", **oversize),
             await call("GET", "/v1/prefs/builds", params={"limit": 0}),
         ],
         ("get", "/v1/prefs/builds/{build_id}"): [
             await call("GET", build),
             await call("GET", build, {}),
+            await call("GET", build, run_auth),
             await call("GET", build, **oversize),
             await call("GET", "/v1/prefs/builds/" + "0" * 16),
             await call("GET", "/v1/prefs/builds/nope"),
@@ -616,9 +625,10 @@ async def prefs_probes(call: Any, oversize: dict[str, Any]) -> dict[tuple[str, s
 
 async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.Response]]:
     """Each route of the document, by (method, path template), and its answers to requests meant to draw
-    every status it can give: success, no token, a body over the limit, an unknown run, an invalid
-    input, a conflict."""
-    await submit(client, name="done")
+    every status it can give: success, no token, another run's token, a body over the limit, an unknown
+    run, an invalid input, a conflict."""
+    done = await submit(client, name="done")
+    other = {"Authorization": f"Bearer {done['run_token']}"}
     await client.post("/v1/runs/done/stop", headers=AUTH)
     await submit(client, name="live")
 
@@ -632,6 +642,7 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
         ("post", "/v1/runs"): [
             await call("POST", "/v1/runs", json={**SPEC, "name": "new"}),
             await call("POST", "/v1/runs", {}, json=SPEC),
+            await call("POST", "/v1/runs", other, json={**SPEC, "name": "by-a-run"}),
             await call("POST", "/v1/runs", **oversize),
             await call("POST", "/v1/runs", content=streamed()),
             await call("POST", "/v1/runs", json={**SPEC, "name": "live"}),
@@ -648,6 +659,7 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
         ("get", "/v1/runs/{run_id}"): [
             await call("GET", "/v1/runs/live"),
             await call("GET", "/v1/runs/live", {}),
+            await call("GET", "/v1/runs/live", other),
             await call("GET", "/v1/runs/live", **oversize),
             await call("GET", "/v1/runs/nope"),
             await call("GET", "/v1/runs/bad%20id"),
@@ -655,20 +667,37 @@ async def probes(client: httpx.AsyncClient) -> dict[tuple[str, str], list[httpx.
         ("get", "/v1/runs/{run_id}/metrics"): [
             await call("GET", "/v1/runs/live/metrics"),
             await call("GET", "/v1/runs/live/metrics", {}),
+            await call("GET", "/v1/runs/live/metrics", other),
             await call("GET", "/v1/runs/live/metrics", **oversize),
             await call("GET", "/v1/runs/nope/metrics"),
             await call("GET", "/v1/runs/live/metrics", params={"since": "99999999999999999999999-0"}),
             await call("GET", "/v1/runs/live/metrics", params={"limit": 0}),
         ],
+        ("get", "/v1/runs/{run_id}/plan"): [
+            await call("GET", "/v1/runs/live/plan"),
+            await call("GET", "/v1/runs/live/plan", {}),
+            await call("GET", "/v1/runs/live/plan", other),
+            await call("GET", "/v1/runs/live/plan", **oversize),
+            await call("GET", "/v1/runs/nope/plan"),
+            await call("GET", "/v1/runs/bad%20id/plan"),
+        ],
         ("post", "/v1/runs/{run_id}/stop"): [
             await call("POST", "/v1/runs/live/stop"),
             await call("POST", "/v1/runs/live/stop", {}),
+            await call("POST", "/v1/runs/live/stop", other),
             await call("POST", "/v1/runs/live/stop", **oversize),
             await call("POST", "/v1/runs/nope/stop"),
             await call("POST", "/v1/runs/done/stop"),
             await call("POST", "/v1/runs/" + "a" * 65 + "/stop"),
         ],
-        **await prefs_probes(call, oversize),
+        ("get", "/v1/fleets/{fleet}"): [
+            await call("GET", "/v1/fleets/shared"),
+            await call("GET", "/v1/fleets/shared", {}),
+            await call("GET", "/v1/fleets/shared", other),
+            await call("GET", "/v1/fleets/shared", **oversize),
+            await call("GET", "/v1/fleets/bad%20name"),
+        ],
+        **await prefs_probes(call, oversize, other),
         ("get", "/healthz"): [await call("GET", "/healthz", {}), await call("GET", "/healthz", **oversize)],
         ("get", "/metrics"): [await call("GET", "/metrics", {}), await call("GET", "/metrics", **oversize)],
         ("get", "/runs/{run_id}"): [

@@ -81,3 +81,17 @@ async def test_a_run_that_is_not_running_has_no_liveness_warnings(store: RunStor
     await running_run(store, "over")
     await store.set_state("over", "stopped")
     assert await warnings(store, "over", later_s=STALL + 1) == []
+
+
+async def test_a_fleet_run_counts_the_fleets_replicas(store: RunStore) -> None:
+    """A run on a shared fleet is served by the replicas registered under the fleet, not under its id."""
+    spec = RunSpec.model_validate({
+        "name": "tenant", "model": {"path": "m", "lora": {"rank": 8}}, "dataset": {"path": "d.jsonl"},
+        "rollout": {"fleet": "shared"},
+    })  # fmt: skip
+    await store.create(spec)
+    await store.set_state("tenant", "running")
+    assert any("no rollout replica serves" in w for w in await warnings(store, "tenant"))
+    entry = ReplicaEntry("rollout-0", "127.0.0.1:1", 0, True, 0, 8, "m", "vllm")
+    await register(store.redis, keys.fleet_scope("shared"), entry, ttl_s=30)
+    assert not any("no rollout replica serves" in w for w in await warnings(store, "tenant"))

@@ -33,11 +33,13 @@ CPU = torch.device("cpu")
 
 def make_spec(model_dir: str, advantage: str = "grpo") -> RunSpec:
     """GRPO with a KL term in the loss and an entropy bonus, small micro-batches; or PPO (gae) with the KL
-    in the reward."""
+    in the reward; or ("lora") GRPO training LoRA adapters, the reference being the adapters disabled."""
     kl = {"coef": 0.05, "mode": "reward" if advantage == "gae" else "loss"}
+    lora = {"rank": 4, "alpha": 8} if advantage == "lora" else None
+    advantage = "grpo" if advantage == "lora" else advantage
     return RunSpec.model_validate(
         {
-            "model": {"path": model_dir},
+            "model": {"path": model_dir, "lora": lora},
             "dataset": {"path": "unused.jsonl"},
             "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
             "algorithm": {"advantage": advantage, "kl": kl, "entropy_coef": 0.01},

@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun with gloo: 2 ranks train like 1 rank, and a checkpoint round trip resumes exactly.
+"""FSDP2 under torchrun with gloo: 2 ranks train like 1 rank, and a checkpoint round trip resumes exactly
+(full weights, PPO's critic, LoRA adapters).
 
 The world of one runs as a plain process (the learner's no-torchrun path), concurrently with the
 torchrun world of two."""
@@ -47,12 +48,10 @@ def wait_worker(proc: subprocess.Popen[bytes], out: Path, deadline: float) -> No
     assert rc == 0, (out / "worker.log").read_text()[-4000:]
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The worker's output folder for world sizes 1 and 2."""
-    root = tmp_path_factory.mktemp("fsdp")
+def run_worlds(model_dir: Path, root: Path, advantage: str = "grpo") -> dict[int, Path]:
+    """The worker's output folder for world sizes 1 and 2, run concurrently."""
     outs = {nproc: root / f"world{nproc}" for nproc in (1, 2)}
-    procs = {nproc: start_worker(nproc, tiny_model_dir, out) for nproc, out in outs.items()}
+    procs = {nproc: start_worker(nproc, model_dir, out, advantage) for nproc, out in outs.items()}
     deadline = time.monotonic() + TIMEOUT_S
     try:
         for nproc, proc in procs.items():
@@ -63,6 +62,16 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return outs
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    return run_worlds(tiny_model_dir, tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    return run_worlds(tiny_model_dir, tmp_path_factory.mktemp("fsdp-lora"), advantage="lora")
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -129,3 +138,30 @@ def test_ppo_checkpoint_round_trip_carries_the_critic(ppo_run: Path) -> None:
         assert ma["critic_grad_norm"] > 0
     _assert_same(_load(ppo_run / "a.pt"), _load(ppo_run / "b.pt"), atol=1e-6)
     _assert_same(_load(ppo_run / "critic_a.pt"), _load(ppo_run / "critic_b.pt"), atol=1e-6)
+
+
+def test_lora_adapters_shard_train_alike_and_resume(lora_runs: dict[int, Path], tiny_model_dir: Path) -> None:
+    """LoRA under FSDP2: the published (merged) weights of 2 ranks match 1 rank's, the frozen base weights
+    outside the adapted layers never move, and a checkpoint round trip resumes exactly."""
+    one, two = (json.loads((lora_runs[n] / "metrics.json").read_text()) for n in (1, 2))
+    for m1, m2 in zip(one["a"], two["a"], strict=True):
+        assert m2 == pytest.approx(m1, abs=1e-5)
+        assert m2["grad_norm"] > 0
+    assert all(m["kl"] > 0 for m in two["a"][1:])  # the policy leaves its reference (the adapters off)
+    from safetensors.torch import load_file
+
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    merged_one, merged_two = _load(lora_runs[1] / "a.pt"), _load(lora_runs[2] / "a.pt")
+    assert merged_two.keys() == merged_one.keys() and set(initial) <= set(merged_two)
+    adapted = [k for k in initial if any(f"{m}.weight" in k for m in ("q_proj", "down_proj"))]
+    assert adapted and all(float((merged_two[k] - initial[k]).abs().max()) > 1e-6 for k in adapted)
+    for name in initial:
+        if "norm" in name or "embed" in name or name.endswith(".bias"):
+            torch.testing.assert_close(merged_two[name], initial[name], atol=0, rtol=0, msg=name)
+        step = float((merged_one[name] - initial[name]).norm())
+        assert float((merged_two[name] - merged_one[name]).norm()) <= 1e-3 * step + 1e-6, name
+    for nproc in (1, 2):
+        report = json.loads((lora_runs[nproc] / "metrics.json").read_text())
+        for ma, mb in zip(report["a"][2:], report["b"], strict=True):
+            assert mb == pytest.approx(ma, abs=1e-6)
+        _assert_same(_load(lora_runs[nproc] / "a.pt"), _load(lora_runs[nproc] / "b.pt"), atol=1e-6)

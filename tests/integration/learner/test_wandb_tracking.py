@@ -58,8 +58,11 @@ def history_key(item: Any) -> str:
 
 
 def read_offline_run(wandb_dir: Path) -> OfflineRun:
+    """The run file, once complete: `run.finish()` returns before W&B's service process has written the
+    file's last block, so the service is shut down first (which flushes it)."""
     from wandb.proto import wandb_internal_pb2
 
+    wandb.teardown()
     (path,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     run = OfflineRun()
     for data in chunks(path.read_bytes()):

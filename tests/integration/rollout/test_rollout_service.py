@@ -288,10 +288,12 @@ async def test_stale_and_unauthenticated_updates_are_refused(
     assert info.policy_version == 2
 
 
+LEARNER_RPCS = {"UpdateWeights", "UnloadAdapter"}
+"""The RPCs that take the learner's token."""
 CLIENT_RPCS = [
-    m for m in rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods if m.name != "UpdateWeights"
+    m for m in rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods if m.name not in LEARNER_RPCS
 ]
-"""Every RPC of the service but UpdateWeights: each requires the clients' token."""
+"""Every other RPC of the service: each requires the clients' token."""
 
 
 async def call_empty(channel: grpc.aio.Channel, method: Any, metadata: tuple[tuple[str, str], ...]) -> None:

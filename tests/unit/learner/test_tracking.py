@@ -1,5 +1,6 @@
 """The trackers' mirror rules without a tracker package: which row fields are metrics, a failing tracker
-is disabled once and training goes on, a tracker asked for but not installed is a config error."""
+is disabled once and training goes on, a tracker asked for but not installed is a config error, and what
+the MLflow tracker makes of the spec (params within MLflow's limits, tags)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from rlfabric.learner import tracking
 from rlfabric.learner.tracking import Trackers, TrackingUnavailable, require_trackers, step_metrics
+from rlfabric.learner.tracking_mlflow import MAX_KEY, MAX_PARAM_VALUE, config_params, run_tags
 from rlfabric.runspec import RunSpec
 
 
@@ -94,3 +96,36 @@ def test_a_tracker_asked_for_but_not_installed_names_the_extra(monkeypatch: pyte
 def test_the_spec_refuses_unknown_tracker_keys() -> None:
     with pytest.raises(ValueError, match="api_key"):
         spec(wandb={"api_key": "secret"})
+
+
+def test_mlflow_asked_for_but_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name))
+    require_trackers(spec(wandb={"mode": "offline"}).tracking)
+    with pytest.raises(TrackingUnavailable, match=r"tracking\.mlflow.*rlfabric\[mlflow\]"):
+        require_trackers(spec(mlflow={}).tracking)
+
+
+def test_mlflow_params_are_the_flattened_spec_within_mlflows_limits() -> None:
+    config = {"train": {"steps": 3, "lr": None}, "tags": ["a"], "empty": {}, "k" * 300: "v" * 7000}
+    params = config_params(config)
+    assert params["train.steps"] == "3" and params["tags"] == '["a"]' and params["empty"] == "{}"
+    assert "train.lr" not in params  # unset leaves are not params
+    (long_key,) = (key for key in params if key.startswith("kk"))
+    assert len(long_key) == MAX_KEY and len(params[long_key]) == MAX_PARAM_VALUE
+    assert params[long_key].endswith("...")
+
+
+def test_mlflow_tags_say_what_the_run_trains_from() -> None:
+    run = spec(mlflow={"tags": {"team": "rl"}})
+    assert run.tracking.mlflow is not None
+    tags = run_tags(run.tracking.mlflow, tracking.run_versions(run, "r-1", "v3"))
+    assert tags == {
+        "team": "rl",
+        "mlflow.runName": "r-1",
+        "rlfabric.run_id": "r-1",
+        "rlfabric.mode": "online",
+        "rlfabric.model": "m",
+        "rlfabric.dataset": "d",
+        "rlfabric.dataset_version": "v3",
+    }
