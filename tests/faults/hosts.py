@@ -6,6 +6,12 @@ only its loopback and that address, and reaches the other hosts through the brid
 itself is a host too: the bridge carries `network.gateway`, so it talks to the services over the bridge
 as any client would. Names carry the test process's PID, so concurrent test runs do not collide.
 
+The subnet is one that no address or route on this machine covers yet, chosen and claimed under a lock: a
+namespace left behind by an earlier run that was killed (its `close` never ran) still answers for its
+addresses, and a second bridge on the same /24 sends the test process's packets there (connection refused
+from a stranger, not from the service under test). `Network` also proves the test process reaches a host
+before any test relies on it.
+
 Where Docker has set iptables' FORWARD policy to DROP (and bridged packets pass through iptables), an
 ACCEPT rule for the bridge is inserted and removed afterwards. `close` removes everything it created,
 also after a failed setup.
@@ -14,14 +20,19 @@ also after a failed setup.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+SUBNET_LOCK = Path("/run/lock/rlfabric-test-hosts.lock")
+SUBNETS = range(100, 200)
 
 
 class NetworkError(RuntimeError):
@@ -56,14 +67,15 @@ class Network:
         if os.geteuid() != 0 or shutil.which("ip") is None:
             raise NetworkError("network namespaces need root and iproute2's `ip`")
         self.tag = f"rlf{os.getpid()}"
-        self.subnet = f"10.231.{100 + os.getpid() % 100}"
         self.bridge = f"{self.tag}br"
-        self.gateway = f"{self.subnet}.254"
         self.hosts: list[Host] = []
         self.forward_rule: list[str] | None = None
         try:
             sh("ip", "link", "add", self.bridge, "type", "bridge")
-            sh("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            with subnet_lock():
+                self.subnet = free_subnet(os.getpid())
+                self.gateway = f"{self.subnet}.254"
+                sh("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             sh("ip", "link", "set", self.bridge, "up")
             self.allow_forwarding()
         except BaseException:
@@ -118,6 +130,28 @@ class Network:
             hint = "" if self.forward_rule else " (does iptables' FORWARD chain drop bridged packets?)"
             raise NetworkError(f"{client.netns} cannot reach {server.netns}{hint}: {error}") from None
 
+    def check_reachable_from_here(self, server: Host) -> None:
+        """Proves that the test process itself reaches `server` over the bridge (its packets could go to
+        another bridge on the same subnet, were one there)."""
+        listen = (
+            "import socket, sys\n"
+            "listener = socket.create_server((sys.argv[1], 0))\n"
+            "print(listener.getsockname()[1], flush=True)\n"
+            "listener.settimeout(10)\n"
+            "listener.accept()\n"
+        )
+        argv = [*server.prefix, sys.executable, "-c", listen, server.address]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as listener:
+            try:
+                assert listener.stdout is not None
+                port = int(listener.stdout.readline())
+                socket.create_connection((server.address, port), timeout=3).close()
+            except (OSError, ValueError) as error:
+                where = f"{server.netns} at {server.address}"
+                raise NetworkError(f"this process cannot reach {where}: {error}") from None
+            finally:
+                listener.kill()
+
     def close(self) -> None:
         """Removes the namespaces (their veth pairs go with them), the bridge and the iptables rule."""
         for host in self.hosts:
@@ -130,3 +164,26 @@ class Network:
             with contextlib.suppress(NetworkError):
                 sh("iptables", "-D", *self.forward_rule)
             self.forward_rule = None
+
+
+@contextlib.contextmanager
+def subnet_lock() -> Iterator[None]:
+    """Held while a subnet is chosen and claimed, so that two test runs starting together pick two."""
+    SUBNET_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with SUBNET_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def free_subnet(seed: int) -> str:
+    """The first `10.231.N` (N in `SUBNETS`, starting from `seed`) that no address or route here covers."""
+    taken = sh("ip", "-4", "-o", "addr", "show") + sh("ip", "-4", "route", "show", "table", "all")
+    for step in range(len(SUBNETS)):
+        subnet = f"10.231.{SUBNETS[(seed + step) % len(SUBNETS)]}"
+        if f"{subnet}." not in taken:
+            return subnet
+    every = f"10.231.{SUBNETS.start}-{SUBNETS.stop - 1}.0/24"
+    raise NetworkError(f"every subnet {every} is in use on this machine")

@@ -15,6 +15,7 @@ Needs root and iproute2: the tests fail, not skip, where namespaces cannot be ma
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hosts
 import pytest
 import s3fs
 import torch
@@ -59,6 +61,7 @@ def network() -> Iterator[Network]:
         for name in ("data", "reward", "rollout", "learner", "store"):
             net.add_host(name)
         net.check_reachable(net.hosts[3], net.hosts[0])  # learner -> data crosses the bridge
+        net.check_reachable_from_here(net.hosts[0])  # and so does the test process -> data
         yield net
     finally:
         net.close()
@@ -112,6 +115,26 @@ def replica_address(stack: Stack) -> str:
 def registered(stack: Stack) -> bool:
     assert stack.client is not None
     return bool(stack.client.exists(keys.replica(stack.spec.name, "rollout-0")))
+
+
+def test_a_network_steps_over_a_subnet_an_earlier_run_left_behind() -> None:
+    """A namespace that a killed run left on the subnet this run would pick still answers for its
+    addresses (connection refused, from a stranger): the new network takes another subnet, and the test
+    process reaches its host."""
+    subnet = hosts.free_subnet(os.getpid())
+    stray = f"rlfstray{os.getpid()}"
+    try:
+        hosts.sh("ip", "link", "add", f"{stray}br", "type", "bridge")
+        hosts.sh("ip", "addr", "add", f"{subnet}.254/24", "dev", f"{stray}br")
+        hosts.sh("ip", "link", "set", f"{stray}br", "up")
+        net = Network()
+        try:
+            assert net.subnet != subnet
+            net.check_reachable_from_here(net.add_host("data"))
+        finally:
+            net.close()
+    finally:
+        hosts.sh("ip", "link", "del", f"{stray}br")
 
 
 def test_a_run_across_hosts_completes_and_its_books_balance(finished: Stack, network: Network) -> None:
