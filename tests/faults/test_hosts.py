@@ -254,8 +254,9 @@ def test_weights_through_an_object_store_on_another_host(
     vllm_env: dict[str, str],
 ) -> None:
     """The run's weights URL is s3:// on the store host: the learner publishes every version there, the
-    replica (on its own host) loads each from there, the run completes over REST and its books balance
-    with the published versions read from the bucket. Nothing is published on the local filesystem."""
+    replica (on its own host) loads the versions it serves from there, the run completes over REST and its
+    books balance with the published versions read from the bucket. Nothing is published on the local
+    filesystem."""
     url = f"s3://{BUCKET}/{RUN}/weights"
     stack = make_stack(
         tmp_path / "run", network, tiny_model_dir, vllm_env, env=object_store, weights={"url": url}
@@ -275,7 +276,14 @@ def test_weights_through_an_object_store_on_another_host(
     in_bucket = committed_versions(url)
     assert in_bucket and in_bucket <= books.published  # the ledger read the bucket
     assert max(in_bucket) == max(books.metric_versions) == stack.spec.train.steps
-    assert set(books.metric_versions) <= served, served  # every published version, loaded from the bucket
+    # The replica loads the newest announced version, so it may skip one the learner published while it
+    # was loading (max_staleness 1); the bucket keeps the newest few. What the replica served, and what
+    # every sample was generated with, was published, and only to the bucket (asserted below).
+    published = books.published | set(books.metric_versions)
+    assert served - {0} <= published, (served, published)
+    sampled = {version for entry in books.entries for version in entry.versions}
+    assert sampled <= served | published, (sampled, published)
+    assert len(served - {0}) >= 2, served  # it followed the learner, not only the last version
     assert not (stack.run_dir / "weights").exists()
     assert not list(tmp_path.rglob("COMMITTED"))
 
