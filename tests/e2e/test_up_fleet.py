@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from learning import assert_learned
 
 from rlfabric.contracts import keys
 from rlfabric.tools import ledger
@@ -46,11 +47,7 @@ def rows(run_dir: Path, run: str) -> list[dict[str, float]]:
 def test_each_run_trained_its_adapters_and_learned(fleet_run: Path, run: str) -> None:
     series = rows(fleet_run, run)
     assert [r["step"] for r in series] == list(range(1, STEPS + 1))
-    first = sum(r["reward_mean"] for r in series[:3]) / 3
-    last = sum(r["reward_mean"] for r in series[-3:]) / 3
-    assert last > first + 0.05, (run, first, last)
-    evals = [r["eval_reward_mean"] for r in series if "eval_reward_mean" in r]
-    assert len(evals) >= 2 and evals[-1] > evals[0] + 0.03, (run, evals)
+    assert_learned(series, run)
     assert series[-1]["kl"] > 0
 
 
