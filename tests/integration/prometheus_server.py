@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfabric.local.ports import free_port
 from rlfabric.local.procs import ServiceProcess
-from rlfabric.local.stack import free_port
 
 READY = r"Server is ready to receive web requests"
 

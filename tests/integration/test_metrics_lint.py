@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rlfabric.local.ports import free_port
 from rlfabric.local.procs import ServiceProcess
-from rlfabric.local.stack import free_port
 from rlfabric.reward.client import RewardClient
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -23,17 +22,10 @@ import yaml
 
 from rlfabric.local.credentials import Credentials
 from rlfabric.local.handoff import TWIN_SUFFIX, Handoff
+from rlfabric.local.ports import free_port
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.local.scaler import LocalScaler, ScalePolicy
 from rlfabric.runtime.guard import cpu_list
-
-
-def free_port() -> int:
-    """A port free now on loopback: chosen up front, so that a restarted service binds the same one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 ANY_METRICS_PORT = ("--set", "server.metrics_port=0")
 """Several services of a kind share this host: each serves /metrics on a free port (printed at start),
