@@ -49,6 +49,8 @@ from typing import Any
 
 from common import base_parser, fmt, machine_info, machine_line, markdown_table, report_results
 
+from rlfabric.tools.tiny_model import PRESETS, TinyModelSpec, save_tiny_model
+
 NAME = "lora_fleet"
 FLEET_GOAL = 1.5
 """Issue 26: four LoRA runs on one replica give >= 1.5x the samples/s of the same four one after another."""
@@ -58,17 +60,33 @@ REWARD_TOLERANCE = 0.1
 RANK = 16
 
 
-def write_run_files(workdir: Path, runs: int, steps: int, staleness: int | None = None) -> list[Path]:
+MODELS: dict[str, TinyModelSpec | None] = {
+    "tiny": None,
+    "small": TinyModelSpec(layers=4, hidden=256, heads=4, intermediate=768),
+    "bench": PRESETS["bench"],
+}
+"""`--model`: the base model every run trains adapters on. `tiny` is the demo's own (440,576 parameters);
+`small` (4 layers, hidden 256: 3.3 M) and `bench` (24.2 M) make the learner's step a larger share of a
+run's step, as on real models, where training takes about as long as generation or longer."""
+
+
+def write_run_files(
+    workdir: Path, runs: int, steps: int, staleness: int | None = None, model: str = "tiny"
+) -> list[Path]:
     """The K demo run files (one base model and prompt file under `workdir/base`), with `staleness` as
-    `rollout.max_staleness` when given (the demo's own otherwise)."""
+    `rollout.max_staleness` when given (the demo's own otherwise) and `model` (`MODELS`) as the base."""
     from rlfabric.coordinator.demo import demo_spec
 
+    preset = MODELS[model]
+    model_dir = None if preset is None else save_tiny_model(preset, workdir / "base" / f"model-{model}")
     files = []
     for i in range(1, runs + 1):
         spec = demo_spec(workdir / "base", steps=steps, lora_rank=RANK, name=f"demo-{i}", seed=i - 1)
         if staleness is not None:
             rollout = spec.rollout.model_copy(update={"max_staleness": staleness})
             spec = spec.model_copy(update={"rollout": rollout})
+        if model_dir is not None:
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(model_dir)})})
         path = workdir / "files" / f"demo-{i}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(spec.model_dump_json(indent=1))
@@ -203,7 +221,9 @@ def configuration(payload: dict[str, Any]) -> str:
     where = "replica on core 0, learners on core 1" if placement == "split" else "every process on any core"
     staleness = payload.get("staleness")
     lag = "the demo's max_staleness 1" if staleness is None else f"max_staleness {staleness}"
-    return f"{where}, {lag}" + (" (on-policy)" if staleness == 0 else "")
+    model = payload.get("model", "tiny")
+    base = "the demo's tiny model" if model == "tiny" else f"the `{model}` model"
+    return f"{base}, {where}, {lag}" + (" (on-policy)" if staleness == 0 else "")
 
 
 def merge_into_lora_results(output_dir: Path, payload: dict[str, Any]) -> None:
@@ -241,13 +261,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="every run's rollout.max_staleness (default: the demo's, 1); 0 is on-policy: alone, a run's "
         "replica waits while its learner trains",
     )
+    parser.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="tiny",
+        help="the base model: tiny (the demo's, default), small (3.3 M parameters) or bench (24.2 M)",
+    )
     args = parser.parse_args(argv)
     runs, steps = (2, 4) if args.quick else (args.runs, args.steps)
     machine = machine_info()
     env = {**vllm_env(), "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="bench-lora-fleet-") as tmp:
         workdir = Path(tmp)
-        files = write_run_files(workdir, runs, steps, args.staleness)
+        files = write_run_files(workdir, runs, steps, args.staleness, args.model)
         result = measure(files, workdir, env, args.placement)
     fleet_ratio = result["fleet"]["samples_per_s"] / result["sequential"]["samples_per_s"]
     payload = {
@@ -258,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps": steps,
         "placement": args.placement,
         "staleness": args.staleness,
+        "model": args.model,
         "command": " ".join(["python bench/lora_fleet.py", *(argv if argv is not None else sys.argv[1:])]),
         "fleet_goal": FLEET_GOAL,
         "fleet_ratio": fleet_ratio,
@@ -266,9 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goal_met": fleet_ratio >= FLEET_GOAL and same_reward(result),
         "result": result,
     }
-    default = args.placement == "shared" and args.staleness is None
+    default = args.placement == "shared" and args.staleness is None and args.model == "tiny"
     staleness = 1 if args.staleness is None else args.staleness  # the demo's
-    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}"
+    model = "" if args.model == "tiny" else f"_{args.model}"
+    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}{model}"
     report_results(args.output_dir, name, payload, render_markdown(payload))
     if default and not args.quick:
         merge_into_lora_results(args.output_dir, payload)
