@@ -12,7 +12,7 @@ import logging
 import os
 
 from rlfabric.learner.config import LearnerServiceConfig
-from rlfabric.learner.dist import destroy_distributed, init_distributed
+from rlfabric.learner.dist import destroy_distributed, init_distributed, leave_together
 from rlfabric.learner.loop import TrainingLoop
 from rlfabric.learner.tracking import require_trackers
 from rlfabric.learner.trainer import Trainer
@@ -40,6 +40,7 @@ def serve(config: LearnerServiceConfig) -> int:
     try:
         trainer = Trainer(config.run, config.run.model.path, device=world.device, world=world)
         asyncio.run(TrainingLoop(config, world, trainer).run())
+        leave_together()
     finally:
         destroy_distributed()
     log.info("learner exited", extra={"pid": os.getpid()})

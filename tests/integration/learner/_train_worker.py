@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfabric.learner.batch import GroupSamples, Rollout
-from rlfabric.learner.dist import destroy_distributed, init_distributed
+from rlfabric.learner.dist import destroy_distributed, init_distributed, leave_together
 from rlfabric.learner.trainer import Trainer
 from rlfabric.runspec import RunSpec
 
@@ -100,6 +100,7 @@ def main(model_dir: str, out_dir: str, advantage: str = "grpo") -> None:
             torch.save(critic_b, out / "critic_b.pt")
         report = {"world_size": world.size, "a": metrics_a, "b": metrics_b, "extra": extra}
         (out / "metrics.json").write_text(json.dumps(report))
+    leave_together()  # rank 0 writes the files after the last collective: the others wait for it
     destroy_distributed()
 
 
