@@ -132,7 +132,8 @@ class Network:
 
     def check_reachable_from_here(self, server: Host) -> None:
         """Proves that the test process itself reaches `server` over the bridge (its packets could go to
-        another bridge on the same subnet, were one there)."""
+        another bridge on the same subnet, were one there). It dials from this process: `check_reachable`'s
+        dialler is the listener's child, so without a namespace of its own it would dial from `server`."""
         listen = (
             "import socket, sys\n"
             "listener = socket.create_server((sys.argv[1], 0))\n"
