@@ -22,7 +22,12 @@ from rlfabric.runspec import RunSpec
 from rlfabric.weights import versions as store
 
 ARGS = argparse.Namespace(
-    learner_ranks=1, compile=False, engine="transformers", replica_cores=None, learner_cores=None
+    learner_ranks=1,
+    compile=False,
+    engine="transformers",
+    replica_cores=None,
+    learner_cores=None,
+    replica_max_in_flight=None,
 )
 STEPS = 4
 

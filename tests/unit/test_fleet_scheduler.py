@@ -1,6 +1,7 @@
 """The fleet scheduler's rules (`coordinator.fleet.FairShare`, no I/O) and its slot hand-off between lanes:
-weighted fair share between runs that always wait, no starvation of a tiny weight, adapter eligibility,
-the replica's capacity and each run's per-replica bound, failed and departed replicas."""
+weighted fair share between runs that always wait (group by group and in bursts), no starvation of a tiny
+weight, bursts that keep a run's step together, adapter eligibility, the replica's capacity and each run's
+per-replica bound, failed and departed replicas."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from rlfabric.coordinator.scaling import BusyMeter
 NOW = 100.0
 
 
-def share_with(replicas: dict[str, tuple[int, set[str]]], runs: dict[str, tuple[float, int]]) -> FairShare:
+def share_with(
+    replicas: dict[str, tuple[int, set[str]]], runs: dict[str, tuple[float, int]], burst: int = 1
+) -> FairShare:
     rules = FairShare()
     rules.set_replicas({a: (cap, frozenset(ads)) for a, (cap, ads) in replicas.items()})
     for run_id, (weight, per_replica) in runs.items():
-        rules.add_run(run_id, weight, per_replica)
+        rules.add_run(run_id, weight, per_replica, burst)
     return rules
 
 
@@ -52,6 +55,14 @@ def test_runs_that_always_wait_get_slots_in_proportion_to_their_weights() -> Non
     assert sum(grants.values()) >= 19_900  # about one grant per ended group: the slots stay in use
 
 
+@pytest.mark.parametrize("burst", [4, 8])
+def test_bursts_keep_the_weights(burst: int) -> None:
+    rules = share_with({"r1": (8, set()), "r2": (8, set())}, {"light": (1.0, 8), "heavy": (3.0, 8)}, burst)
+    grants = simulate(rules, steps=20_000)
+    ratio = grants["heavy"] / grants["light"]
+    assert abs(ratio - 3.0) / 3.0 < 0.05, grants
+
+
 def test_equal_weights_get_equal_slots() -> None:
     rules = share_with({"r1": (4, set())}, {"a": (1.0, 4), "b": (1.0, 4), "c": (1.0, 4)})
     grants = simulate(rules, steps=9_000, seed=1)
@@ -72,6 +83,57 @@ def test_a_tiny_weight_gets_the_next_free_slot_no_starvation() -> None:
     rules.give_back(request.run_id, address, NOW)
     assert rules.grants(NOW) == [(tiny, "r1")]  # the next slot that frees, ahead of 10 earlier-queued ones
     assert all(r in rules.waiting for r in more_big)
+
+
+def test_a_run_keeps_the_turn_for_its_burst_so_its_step_generates_first() -> None:
+    """Four runs ask for their steps' 4 groups at once, interleaved; 8 slots: the first two runs' steps
+    take them whole, and each slot that frees goes to the third run's step, then the fourth's."""
+    rules = share_with({"r1": (8, set())}, {run: (1.0, 8) for run in "abcd"}, burst=4)
+    for _ in range(4):
+        for run in "abcd":
+            rules.request(run, "")
+    assert [r.run_id for r, _ in rules.grants(NOW)] == list("aaaabbbb")
+    freed = []
+    for run in "aaaabbbb":
+        rules.give_back(run, "r1", NOW)
+        freed += [r.run_id for r, _ in rules.grants(NOW)]
+    assert freed == list("ccccdddd")
+
+
+def test_a_burst_ends_when_its_run_has_nothing_waiting() -> None:
+    rules = share_with({"r1": (8, set())}, {"a": (1.0, 8), "b": (1.0, 8)}, burst=4)
+    rules.request("a", "")
+    rules.request("b", "")
+    assert [r.run_id for r, _ in rules.grants(NOW)] == ["a", "b"]  # a's turn had nothing more waiting
+    rules.request("a", "")
+    rules.request("b", "")
+    assert [r.run_id for r, _ in rules.grants(NOW)] == ["b", "a"]  # b's turn goes on
+
+
+def test_a_lighter_run_takes_its_share_of_the_burst() -> None:
+    rules = share_with({"r1": (16, set())}, {"light": (1.0, 16), "heavy": (4.0, 16)}, burst=8)
+    assert (rules.burst_of("light"), rules.burst_of("heavy")) == (2, 8)
+    for _ in range(8):
+        rules.request("light", "")
+    assert [r.run_id for r, _ in rules.grants(NOW)].count("light") == 8  # no one else waits: all granted
+    assert rules.turn == "light"
+    rules.remove_run("light")
+    assert rules.turn is None and rules.burst_of("heavy") == 8
+
+
+def test_a_tiny_weight_waits_for_at_most_one_burst() -> None:
+    rules = share_with({"r1": (4, set())}, {"big": (1.0, 4), "tiny": (0.01, 4)}, burst=3)
+    for _ in range(4):
+        rules.request("big", "")
+    held = rules.grants(NOW)
+    tiny = rules.request("tiny", "")
+    for _ in range(10):
+        rules.request("big", "")
+    granted = []
+    for request, address in held:
+        rules.give_back(request.run_id, address, NOW)
+        granted += [r for r, _ in rules.grants(NOW)]
+    assert granted.index(tiny) <= rules.burst_of("big")  # behind what is left of big's burst at most
 
 
 def test_ties_go_to_the_earliest_request() -> None:

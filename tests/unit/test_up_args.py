@@ -442,3 +442,19 @@ def test_replicas_follow_the_weights_root_the_learner_publishes_to(tmp_path: Pat
     spec = spec.model_copy(update={"weights": spec.weights.model_copy(update={"url": str(tmp_path / "w")})})
     named = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert f"weights_root={tmp_path / 'w'}" in named.argv
+
+
+def test_replica_max_in_flight_sets_every_replicas_capacity(tmp_path: Path) -> None:
+    """On a fleet it is the slots the fair share hands out (what the replica registers as capacity)."""
+    spec = replica_spec(tmp_path)
+    args = parse("--replica-max-in-flight", "16", "--engine", "vllm")
+    argv = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0).argv
+    assert "max_in_flight=16" in argv
+    default = stack_mod.replica_process(stack_mod.Stack(tmp_path), parse(), spec, "redis://x", 0).argv
+    assert not any(a.startswith("max_in_flight=") for a in default)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "x", ""])
+def test_a_replica_max_in_flight_below_one_is_refused(text: str) -> None:
+    with pytest.raises(SystemExit):
+        parse("--replica-max-in-flight", text)

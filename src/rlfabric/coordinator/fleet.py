@@ -6,11 +6,22 @@ One `FleetScheduler` per fleet name per coordinator serves every run whose spec 
 those taking work) and grants a free slot, when several runs wait, to the waiting run with the fewest groups
 in flight on the fleet per unit of its `rollout.fleet_weight` (ties: the earliest request). So runs that
 always wait get slots in proportion to their weights, and a run with a tiny weight still gets the next
-slot that frees once its share is the smallest (it never starves). A request on a run's adapter goes only
-to replicas whose entry lists that adapter; a request on the base ("" adapter, version 0) goes anywhere.
-On one replica the groups in flight stay within its entry's `capacity` and each run's within its own
-`rollout.max_in_flight_per_replica`; a replica whose generation failed gets nothing new for
-`REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the scheduler feeds it.
+slot that frees once its share is the smallest (it never starves).
+
+Slots go in bursts: the run served keeps the turn for up to its `burst` grants in a row (a step's groups,
+`train.groups_per_step`, scaled by its weight against the heaviest run's) while it has requests waiting,
+before the share picks the next run. Interleaved group by group, runs that wait on their own steps
+(on-policy above all) finish every step's generation together and then all train at once while the
+replicas idle; in bursts, one run's step finishes first and it trains while the next run's step
+generates, so generation and training overlap across runs. The share still decides whose burst comes
+next, so a burst delays another run by at most one step's groups. This pays only when the replicas'
+`capacity` (their `max_in_flight`) holds a run's step or two, not every run's at once: beyond the
+capacity requests wait here, in this order, rather than in the engine.
+
+A request on a run's adapter goes only to replicas whose entry lists that adapter; a request on the base
+("" adapter, version 0) goes anywhere. On one replica the groups in flight stay within its entry's
+`capacity` and each run's within its own `rollout.max_in_flight_per_replica`; a replica whose generation
+failed gets nothing new for `REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the scheduler feeds it.
 
 Each run's pipeline sees the scheduler through its `FleetLane`, which has the interface of a run's own
 `ReplicaPool`. The scheduler's busy meter covers the fleet's replicas; its signal sums the runs' demand
@@ -24,6 +35,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +97,8 @@ class RunShare:
     """Its `rollout.fleet_weight`."""
     per_replica: int
     """Its `rollout.max_in_flight_per_replica`."""
+    burst: int = 1
+    """Grants it may take in a row while it waits (its `train.groups_per_step`; 1: group by group)."""
     in_flight: int = 0
     """Its groups in flight on the fleet."""
 
@@ -112,15 +126,22 @@ class FairShare:
         self.runs: dict[str, RunShare] = {}
         self.waiting: list[SlotRequest] = []
         self._arrivals = itertools.count()
+        self.turn: str | None = None
+        """The run whose burst is being granted."""
+        self.turn_left = 0
+        """Grants left in its burst."""
 
     # --- membership -------------------------------------------------------------------------------
 
-    def add_run(self, run_id: str, weight: float, per_replica: int) -> None:
-        self.runs[run_id] = RunShare(weight, per_replica, self.runs.get(run_id, RunShare(1.0, 1)).in_flight)
+    def add_run(self, run_id: str, weight: float, per_replica: int, burst: int = 1) -> None:
+        in_flight = self.runs[run_id].in_flight if run_id in self.runs else 0
+        self.runs[run_id] = RunShare(weight, per_replica, max(1, burst), in_flight)
 
     def remove_run(self, run_id: str) -> list[SlotRequest]:
         """Forgets the run; returns its waiting requests (taken off the queue)."""
         self.runs.pop(run_id, None)
+        if self.turn == run_id:
+            self.turn, self.turn_left = None, 0
         dropped = [r for r in self.waiting if r.run_id == run_id]
         self.waiting = [r for r in self.waiting if r.run_id != run_id]
         return dropped
@@ -172,8 +193,13 @@ class FairShare:
         return min(ready, key=lambda a: (self.replicas[a].load, a)) if ready else None
 
     def next_grant(self, now: float) -> tuple[SlotRequest, str] | None:
-        """The waiting request served next and its replica: waiting runs by (in flight / weight, arrival),
-        the first whose request some replica may take."""
+        """The waiting request served next and its replica: the run whose burst is being granted while it
+        has grants left and a request some replica may take; otherwise waiting runs by (in flight /
+        weight, arrival), the first whose request some replica may take."""
+        if self.turn_left > 0:
+            for request in self.waiting:
+                if request.run_id == self.turn and (address := self.eligible(request, now)) is not None:
+                    return request, address
         for request in sorted(self.waiting, key=lambda r: (self.runs[r.run_id].share, r.arrival)):
             address = self.eligible(request, now)
             if address is not None:
@@ -185,8 +211,23 @@ class FairShare:
         self.waiting.remove(request)
         replica = self.replicas[address]
         replica.runs[request.run_id] = replica.runs.get(request.run_id, 0) + 1
-        if request.run_id in self.runs:
-            self.runs[request.run_id].in_flight += 1
+        run = self.runs.get(request.run_id)
+        if run is not None:
+            run.in_flight += 1
+        if request.run_id == self.turn and self.turn_left > 0:
+            self.turn_left -= 1
+        else:
+            self.turn, self.turn_left = request.run_id, self.burst_of(request.run_id) - 1
+
+    def burst_of(self, run_id: str) -> int:
+        """Grants in a row a turn of `run_id` may take: its burst in proportion to its weight against the
+        heaviest run's (so bursts keep the weights: a run of weight 1 beside one of 3 takes a third of its
+        burst a turn, at least 1)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return 1
+        heaviest = max(r.weight for r in self.runs.values())
+        return max(1, math.ceil(run.burst * run.weight / heaviest))
 
     def grants(self, now: float) -> list[tuple[SlotRequest, str]]:
         """Every grant possible now, in order (each one taken)."""
@@ -244,10 +285,17 @@ class FleetScheduler:
         self._ending: set[asyncio.Task[None]] = set()
 
     def lane(
-        self, run_id: str, weight: float, per_replica: int, admit_bound: int, meter: BusyMeter
+        self,
+        run_id: str,
+        weight: float,
+        per_replica: int,
+        admit_bound: int,
+        meter: BusyMeter,
+        burst: int = 1,
     ) -> FleetLane:
-        """Adds the run to the fleet's share; its pipeline's view (`meter`: the run's own busy meter)."""
-        self.rules.add_run(run_id, weight, per_replica)
+        """Adds the run to the fleet's share; its pipeline's view (`meter`: the run's own busy meter;
+        `burst`: the grants it may take in a row, its step's groups)."""
+        self.rules.add_run(run_id, weight, per_replica, burst)
         lane = FleetLane(self, run_id, admit_bound, meter)
         self.lanes[run_id] = lane
         now = time.monotonic()

@@ -191,7 +191,12 @@ class RunPipeline:
             )
         scheduler = fleet or FleetScheduler(self.redis, rollout.fleet, self.scaling, token=token)
         return scheduler.lane(
-            self.run_id, rollout.fleet_weight, rollout.max_in_flight_per_replica, self.admit_bound, self.meter
+            self.run_id,
+            rollout.fleet_weight,
+            rollout.max_in_flight_per_replica,
+            self.admit_bound,
+            self.meter,
+            burst=self.spec.train.groups_per_step,
         )
 
     # --- bookkeeping ------------------------------------------------------------------------------

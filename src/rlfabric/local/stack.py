@@ -450,6 +450,8 @@ def new_replica(
         "engine.kv_cache_bytes=268435456",
         f"engine.enforce_eager={str(not compile_).lower()}", "log.format=text",
     ]  # fmt: skip
+    if args.replica_max_in_flight is not None:
+        settings.append(f"max_in_flight={args.replica_max_in_flight}")
     for setting in [*binding, *settings]:
         argv += ["--set", setting]
     env = vllm_env(compile_=compile_)

@@ -158,6 +158,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "VLLM_CPU_OMP_THREADS_BIND from the environment, else unbound)",
     )
     parser.add_argument(
+        "--replica-max-in-flight",
+        type=prompt_count,
+        metavar="PROMPTS",
+        help="prompts each replica holds at once (its max_in_flight, default 256); on a shared fleet the "
+        "slots the runs' fair share hands out: near one or two runs' steps (train.groups_per_step), the "
+        "runs' steps generate in turn and each trains while the next one generates",
+    )
+    parser.add_argument(
         "--learner-cores",
         type=core_lists,
         help="CPU cores of each learner (and everything it starts), '|' between learners: learner i "
@@ -184,6 +192,13 @@ def lora_rank(text: str) -> int:
     """`--lora`: a rank from 1 to 1024."""
     if not text.isdigit() or not 1 <= int(text) <= 1024:
         raise argparse.ArgumentTypeError(f"expected a LoRA rank from 1 to 1024, got {text!r}")
+    return int(text)
+
+
+def prompt_count(text: str) -> int:
+    """`--replica-max-in-flight`: a count of prompts, at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of prompts, at least 1, got {text!r}")
     return int(text)
 
 
