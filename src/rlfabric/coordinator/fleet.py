@@ -21,7 +21,8 @@ capacity requests wait here, in this order, rather than in the engine.
 A request on a run's adapter goes only to replicas whose entry lists that adapter; a request on the base
 ("" adapter, version 0) goes anywhere. On one replica the groups in flight stay within its entry's
 `capacity` and each run's within its own `rollout.max_in_flight_per_replica`; a replica whose generation
-failed gets nothing new for `REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the scheduler feeds it.
+failed gets nothing new for `REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the
+scheduler feeds it.
 
 Each run's pipeline sees the scheduler through its `FleetLane`, which has the interface of a run's own
 `ReplicaPool`. The scheduler's busy meter covers the fleet's replicas; its signal sums the runs' demand
