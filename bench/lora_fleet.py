@@ -24,9 +24,10 @@ is reported on both sides; `same_reward` holds when every run's fleet eval rewar
 `REWARD_TOLERANCE` of its sequential one.
 
 `--placement split` pins the replica to core 0 and the learners to core 1 (as on separate devices);
-`--staleness S` sets every run's `rollout.max_staleness` (0: on-policy). Results of such a configuration
-are written as `lora_fleet_<placement>_s<S>` beside the default's `lora_fleet` (which alone is copied into
-`lora.json`).
+`--staleness S` sets every run's `rollout.max_staleness` (0: on-policy); `--replica-max-in-flight P` the
+replicas' capacity on both sides. Results of such a configuration are written as
+`lora_fleet_<placement>_s<S>[_<model>][_m<P>]` beside the default's `lora_fleet` (which alone is copied
+into `lora.json`).
 
 What bounds the ratio: the fleet can only fill the replica time a run alone leaves idle. Alone, the demo
 (max_staleness 1) overlaps generation with training and keeps its replica busy, so on the same cores four
@@ -100,10 +101,10 @@ every learner on core 1 (generation and training on separate devices, as disaggr
 them; the coordinator, reward service and Redis may run anywhere)."""
 
 
-def up(files: Sequence[Path], run_dir: Path, env: dict[str, str], placement: str) -> float:
-    """Runs `rlfabric up FILES` to the end; returns its wall seconds (ValueError when it fails)."""
+def up(files: Sequence[Path], run_dir: Path, env: dict[str, str], options: Sequence[str]) -> float:
+    """Runs `rlfabric up FILES OPTIONS` to the end; returns its wall seconds (ValueError when it fails)."""
     argv = [sys.executable, "-m", "rlfabric.cli", "up", *map(str, files), "--run-dir", str(run_dir)]
-    argv += PLACEMENTS[placement]
+    argv += options
     start = time.monotonic()
     result = subprocess.run([*argv, "--no-progress"], env=env, capture_output=True, text=True, check=False)
     seconds = time.monotonic() - start
@@ -138,18 +139,24 @@ def samples_per_step(file: Path) -> int:
     return int(spec["train"]["groups_per_step"]) * int(spec["rollout"]["sampling"]["n"])
 
 
-def measure(files: list[Path], workdir: Path, env: dict[str, str], placement: str) -> dict[str, Any]:
+def up_options(placement: str, max_in_flight: int | None) -> list[str]:
+    """`up`'s options of a placement (`PLACEMENTS`) and replica capacity (None: the replica's default)."""
+    capacity = [] if max_in_flight is None else ["--replica-max-in-flight", str(max_in_flight)]
+    return [*PLACEMENTS[placement], *capacity]
+
+
+def measure(files: list[Path], workdir: Path, env: dict[str, str], options: list[str]) -> dict[str, Any]:
     per_step = samples_per_step(files[0])
     names = [f.stem for f in files]
     print(f"sequential: {len(files)} runs one after another", file=sys.stderr, flush=True)
     sequential: dict[str, Any] = {"wall_s": 0.0, "runs": {}}
     for file in files:
         run_dir = workdir / "sequential" / file.stem
-        sequential["wall_s"] += up([file], run_dir, env, placement)
+        sequential["wall_s"] += up([file], run_dir, env, options)
         sequential["runs"][file.stem] = run_summary(rows(run_dir, file.stem), per_step)
     print(f"fleet: {len(files)} runs on one replica", file=sys.stderr, flush=True)
     fleet_dir = workdir / "fleet"
-    fleet: dict[str, Any] = {"wall_s": up(files, fleet_dir, env, placement)}
+    fleet: dict[str, Any] = {"wall_s": up(files, fleet_dir, env, options)}
     fleet["runs"] = {name: run_summary(rows(fleet_dir, name), per_step) for name in names}
     seq_runs, fleet_runs = sequential["runs"].values(), fleet["runs"].values()
     sequential["span_s"] = sum(r["span_s"] for r in seq_runs)
@@ -223,7 +230,9 @@ def configuration(payload: dict[str, Any]) -> str:
     lag = "the demo's max_staleness 1" if staleness is None else f"max_staleness {staleness}"
     model = payload.get("model", "tiny")
     base = "the demo's tiny model" if model == "tiny" else f"the `{model}` model"
-    return f"{base}, {where}, {lag}" + (" (on-policy)" if staleness == 0 else "")
+    capacity = payload.get("replica_max_in_flight")
+    held = "" if capacity is None else f", replica capacity {capacity} prompts"
+    return f"{base}, {where}, {lag}" + (" (on-policy)" if staleness == 0 else "") + held
 
 
 def merge_into_lora_results(output_dir: Path, payload: dict[str, Any]) -> None:
@@ -267,6 +276,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="tiny",
         help="the base model: tiny (the demo's, default), small (3.3 M parameters) or bench (24.2 M)",
     )
+    parser.add_argument(
+        "--replica-max-in-flight",
+        type=int,
+        metavar="PROMPTS",
+        help="the replicas' capacity on both sides (`up --replica-max-in-flight`; default the replica's "
+        "256, which holds every run's step at once): near one or two steps' groups, the fleet's runs "
+        "generate their steps in turn and train while the next one generates",
+    )
     args = parser.parse_args(argv)
     runs, steps = (2, 4) if args.quick else (args.runs, args.steps)
     machine = machine_info()
@@ -274,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-lora-fleet-") as tmp:
         workdir = Path(tmp)
         files = write_run_files(workdir, runs, steps, args.staleness, args.model)
-        result = measure(files, workdir, env, args.placement)
+        result = measure(files, workdir, env, up_options(args.placement, args.replica_max_in_flight))
     fleet_ratio = result["fleet"]["samples_per_s"] / result["sequential"]["samples_per_s"]
     payload = {
         "name": NAME,
@@ -285,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "placement": args.placement,
         "staleness": args.staleness,
         "model": args.model,
+        "replica_max_in_flight": args.replica_max_in_flight,
         "command": " ".join(["python bench/lora_fleet.py", *(argv if argv is not None else sys.argv[1:])]),
         "fleet_goal": FLEET_GOAL,
         "fleet_ratio": fleet_ratio,
@@ -293,10 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goal_met": fleet_ratio >= FLEET_GOAL and same_reward(result),
         "result": result,
     }
-    default = args.placement == "shared" and args.staleness is None and args.model == "tiny"
+    default = (
+        args.placement == "shared"
+        and args.staleness is None
+        and args.model == "tiny"
+        and args.replica_max_in_flight is None
+    )
     staleness = 1 if args.staleness is None else args.staleness  # the demo's
     model = "" if args.model == "tiny" else f"_{args.model}"
-    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}{model}"
+    capacity = "" if args.replica_max_in_flight is None else f"_m{args.replica_max_in_flight}"
+    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}{model}{capacity}"
     report_results(args.output_dir, name, payload, render_markdown(payload))
     if default and not args.quick:
         merge_into_lora_results(args.output_dir, payload)
