@@ -22,7 +22,7 @@ def share_with(
     replicas: dict[str, tuple[int, set[str]]], runs: dict[str, tuple[float, int]], burst: int = 1
 ) -> FairShare:
     rules = FairShare()
-    rules.set_replicas({a: (cap, frozenset(ads)) for a, (cap, ads) in replicas.items()})
+    rules.set_replicas({a: (cap, dict.fromkeys(ads, 0)) for a, (cap, ads) in replicas.items()})
     for run_id, (weight, per_replica) in runs.items():
         rules.add_run(run_id, weight, per_replica, burst)
     return rules
@@ -158,6 +158,19 @@ def test_a_request_on_an_adapter_goes_only_to_replicas_that_hold_it() -> None:
     assert unknown in rules.waiting
 
 
+def test_a_request_waits_here_until_a_replica_serves_its_version() -> None:
+    """Not in a slot of the replica while the new version loads: another run's group takes the slot."""
+    rules = share_with({"r1": (1, set())}, {"a": (1.0, 4), "b": (1.0, 4)})
+    rules.set_replicas({"r1": (1, {"run-a": 3, "run-b": 7})})
+    newer = rules.request("a", "run-a", version=4)
+    ready = rules.request("b", "run-b", version=7)
+    assert rules.grants(NOW) == [(ready, "r1")]
+    rules.give_back("b", "r1", NOW)
+    assert rules.grants(NOW) == []  # r1 free, but still serving run-a's version 3
+    rules.set_replicas({"r1": (1, {"run-a": 5, "run-b": 7})})  # loaded meanwhile (a newer one serves too)
+    assert rules.grants(NOW) == [(newer, "r1")]
+
+
 def test_a_run_that_cannot_be_placed_does_not_hold_up_another() -> None:
     rules = share_with({"r1": (4, {"run-b"})}, {"a": (1.0, 4), "b": (1.0, 4)})
     blocked = rules.request("a", "run-a")  # first in line (share 0, earliest) but no replica holds run-a
@@ -173,7 +186,7 @@ def test_capacity_bounds_the_replica_and_per_replica_bounds_each_run() -> None:
     on_b = [rules.request("b", "") for _ in range(3)]
     assert [r for r, _ in rules.grants(NOW)] == on_b[:1]  # the replica's capacity: 3 in all
     assert rules.replicas["r1"].runs == {"a": 2, "b": 1}
-    rules.set_replicas({"r1": (3, frozenset()), "r2": (3, frozenset())})
+    rules.set_replicas({"r1": (3, {}), "r2": (3, {})})
     granted = rules.grants(NOW)
     assert [(r.run_id, a) for r, a in granted] == [("b", "r2"), ("a", "r2"), ("b", "r2")]
     assert rules.run_load("a") == {"r1": 2, "r2": 1} and rules.run_load("b") == {"r1": 1, "r2": 2}
@@ -201,13 +214,13 @@ def test_a_replica_that_leaves_gets_nothing_new_and_is_forgotten_when_its_groups
     for _ in range(2):
         rules.request("a", "")
     assert sorted(a for _, a in rules.grants(NOW)) == ["r1", "r2"]
-    new, gone = rules.set_replicas({"r2": (4, frozenset())})  # r1 left the registry (draining)
+    new, gone = rules.set_replicas({"r2": (4, {})})  # r1 left the registry (draining)
     assert (new, gone) == (set(), set())  # kept while its group runs
     rules.request("a", "")
     rules.request("a", "")
     assert [a for _, a in rules.grants(NOW)] == ["r2", "r2"]
     rules.give_back("a", "r1", NOW)
-    assert rules.set_replicas({"r2": (4, frozenset())}) == (set(), {"r1"})
+    assert rules.set_replicas({"r2": (4, {})}) == (set(), {"r1"})
     assert "r1" not in rules.replicas
 
 
@@ -225,7 +238,7 @@ def test_a_run_that_leaves_takes_its_waiting_requests_along() -> None:
 def test_slots_per_replica_of_the_fleet_signal() -> None:
     rules = share_with({}, {"a": (1.0, 2), "b": (1.0, 3)})
     assert rules.slots_per_replica() == 5  # no replica seen: the runs' bounds together
-    rules.set_replicas({"r1": (4, frozenset()), "r2": (8, frozenset())})
+    rules.set_replicas({"r1": (4, {}), "r2": (8, {})})
     assert rules.slots_per_replica() == 4  # the smallest capacity
     assert isinstance(SlotRequest("a", "", 0), SlotRequest)
 
@@ -235,7 +248,7 @@ def test_slots_per_replica_of_the_fleet_signal() -> None:
 
 def scheduler_with(capacity: int) -> FleetScheduler:
     scheduler = FleetScheduler(redis=None, fleet="shared")
-    scheduler.rules.set_replicas({"127.0.0.1:1": (capacity, frozenset({"lora-a"}))})
+    scheduler.rules.set_replicas({"127.0.0.1:1": (capacity, {"lora-a": 0})})
     return scheduler
 
 

@@ -18,11 +18,15 @@ next, so a burst delays another run by at most one step's groups. This pays only
 `capacity` (their `max_in_flight`) holds a run's step or two, not every run's at once: beyond the
 capacity requests wait here, in this order, rather than in the engine.
 
-A request on a run's adapter goes only to replicas whose entry lists that adapter; a request on the base
-("" adapter, version 0) goes anywhere. On one replica the groups in flight stay within its entry's
-`capacity` and each run's within its own `rollout.max_in_flight_per_replica`; a replica whose generation
-failed gets nothing new for `REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the
-scheduler feeds it.
+A request on a run's adapter goes only to replicas whose entry lists that adapter at the version the
+request needs (the learner's announced one) or newer; a request on the base ("" adapter, version 0) goes
+anywhere. So a slot is not held by a request that would only wait inside the replica while the new version
+loads (other runs' groups generate in it meanwhile); the registry is read every `REFRESH_S` (and the
+replica beats its heartbeat as soon as an adapter version loads).
+
+On one replica the groups in flight stay within its entry's `capacity` and each run's within its own
+`rollout.max_in_flight_per_replica`; a replica whose generation failed gets nothing new for
+`REPLICA_BACKOFF_S`. The rules are `FairShare`, which does no I/O; the scheduler feeds it.
 
 Each run's pipeline sees the scheduler through its `FleetLane`, which has the interface of a run's own
 `ReplicaPool`. The scheduler's busy meter covers the fleet's replicas; its signal sums the runs' demand
@@ -38,6 +42,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +66,9 @@ log = logging.getLogger(__name__)
 
 BASE_ADAPTER = ""
 """The adapter name of a request on the base model (version 0): any replica of the fleet serves it."""
-REFRESH_S = 1.0
-"""How often the scheduler reads the fleet's replicas from the registry."""
+REFRESH_S = 0.1
+"""How often the scheduler reads the fleet's replicas from the registry (a new adapter version a request
+waits for is seen within this)."""
 WAIT_TICK_S = 1.0
 """How often a waiting request looks again without news (a replica's backoff may have ended)."""
 
@@ -76,8 +82,8 @@ class ReplicaSlots:
 
     capacity: int
     """Groups it holds at once (its registry entry's `capacity`)."""
-    adapters: frozenset[str]
-    """The adapters it serves (its entry's `adapters`)."""
+    adapters: Mapping[str, int]
+    """The adapters it serves and the version of each (its entry's `adapters`)."""
     live: bool = True
     """Listed in the registry as taking work (one that left stays here, not live, until its groups end)."""
     excluded_until: float = 0.0
@@ -116,6 +122,8 @@ class SlotRequest:
     run_id: str
     adapter: str
     arrival: int
+    version: int = 0
+    """The adapter version it needs (the replica's serving one or newer)."""
 
 
 class FairShare:
@@ -147,9 +155,9 @@ class FairShare:
         self.waiting = [r for r in self.waiting if r.run_id != run_id]
         return dropped
 
-    def set_replicas(self, live: dict[str, tuple[int, frozenset[str]]]) -> tuple[set[str], set[str]]:
-        """The replicas the registry lists as taking work now: address -> (capacity, adapters). One that
-        left is kept (not live) while groups run on it. Returns (addresses new, addresses forgotten)."""
+    def set_replicas(self, live: Mapping[str, tuple[int, Mapping[str, int]]]) -> tuple[set[str], set[str]]:
+        """The replicas the registry lists as taking work now: address -> (capacity, adapter versions). One
+        that left is kept (not live) while groups run on it. Returns (addresses new, addresses forgotten)."""
         new = live.keys() - self.replicas.keys()
         for address, (capacity, adapters) in live.items():
             slots = self.replicas.setdefault(address, ReplicaSlots(capacity, adapters))
@@ -164,11 +172,11 @@ class FairShare:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def request(self, run_id: str, adapter: str) -> SlotRequest:
-        """Queues a request of `run_id` (a member) for a slot serving `adapter`."""
+    def request(self, run_id: str, adapter: str, version: int = 0) -> SlotRequest:
+        """Queues a request of `run_id` (a member) for a slot serving `adapter` at `version` or newer."""
         if run_id not in self.runs:
             raise KeyError(f"run {run_id!r} is not on the fleet")
-        request = SlotRequest(run_id, adapter, next(self._arrivals))
+        request = SlotRequest(run_id, adapter, next(self._arrivals), version)
         self.waiting.append(request)
         return request
 
@@ -189,7 +197,7 @@ class FairShare:
             and r.excluded_until <= now
             and r.load < r.capacity
             and r.runs.get(request.run_id, 0) < run.per_replica
-            and (request.adapter == BASE_ADAPTER or request.adapter in r.adapters)
+            and (request.adapter == BASE_ADAPTER or r.adapters.get(request.adapter, -1) >= request.version)
         ]
         return min(ready, key=lambda a: (self.replicas[a].load, a)) if ready else None
 
@@ -307,9 +315,10 @@ class FleetScheduler:
 
     # --- slots ------------------------------------------------------------------------------------
 
-    async def acquire(self, run_id: str, adapter: str) -> str:
-        """A replica slot for a group of `run_id` on `adapter`, waiting for the run's fair turn."""
-        request = self.rules.request(run_id, adapter)
+    async def acquire(self, run_id: str, adapter: str, version: int = 0) -> str:
+        """A replica slot for a group of `run_id` on `adapter` at `version` or newer, waiting for the run's
+        fair turn."""
+        request = self.rules.request(run_id, adapter, version)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.granted[request] = future
         self.dispatch()
@@ -367,7 +376,7 @@ class FleetScheduler:
     async def refresh(self) -> None:
         """The fleet's replicas taking work, from the registry; waiting requests served if they now can."""
         entries = await registry.discover(self.redis, self.scope)
-        live = {e.address: (e.capacity, frozenset(e.adapter_versions())) for e in entries if e.takes_work}
+        live = {e.address: (e.capacity, e.adapter_versions()) for e in entries if e.takes_work}
         new, gone = self.rules.set_replicas(live)
         now = time.monotonic()
         for meter in [self.meter, *(lane.meter for lane in self.lanes.values())]:
@@ -475,12 +484,13 @@ class FleetLane:
         """The run's groups waiting for a slot."""
         return sum(r.run_id == self.run_id for r in self.scheduler.rules.waiting)
 
-    async def acquire(self, adapter: str = BASE_ADAPTER) -> str:
-        """A slot for one of the run's groups on `adapter`; CancelledError once the lane is closed (the
-        pipeline ended: a group retried after its call was cancelled asks for no slot)."""
+    async def acquire(self, adapter: str = BASE_ADAPTER, version: int = 0) -> str:
+        """A slot for one of the run's groups on `adapter` at `version` or newer; CancelledError once the
+        lane is closed (the pipeline ended: a group retried after its call was cancelled asks for no
+        slot)."""
         if self.closed:
             raise asyncio.CancelledError
-        return await self.scheduler.acquire(self.run_id, adapter)
+        return await self.scheduler.acquire(self.run_id, adapter, version)
 
     async def release(self, address: str, *, failed: bool = False) -> None:
         await self.scheduler.release(self.run_id, address, failed=failed)

@@ -458,7 +458,7 @@ class RunPipeline:
         (not the replica's fault)."""
         latest = int(await self.redis.get(keys.version(self.run_id)) or 0)  # the learner's announced version
         adapter = self.adapter_for(latest)
-        address = await self.replicas.acquire(adapter)
+        address = await self.replicas.acquire(adapter, latest if adapter else 0)
         request = rollout_pb2.GenerateRequest(
             request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
             min_policy_version=latest,

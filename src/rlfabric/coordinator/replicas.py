@@ -78,10 +78,11 @@ class ReplicaPool:
         ]
         return min(ready, key=lambda a: self.load[a]) if ready else None
 
-    async def acquire(self, adapter: str = "") -> str:
+    async def acquire(self, adapter: str = "", version: int = 0) -> str:
         """The least-loaded replica with a free slot (waiting for one). Every replica of the run serves
-        the run's adapter, so `adapter` (the request's, as a fleet's lane needs it) does not matter here."""
-        del adapter
+        the run's adapter and waits for the version itself, so `adapter` and `version` (the request's, as a
+        fleet's lane needs them) do not matter here."""
+        del adapter, version
         async with self.changed:
             self.waiting += 1
             try:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlfabric.rollout import lora_cpu
+
+lora_cpu.install()  # imported in every vLLM worker rlfabric starts (worker_extension_cls): grouped CPU LoRA
+
 
 class RlfabricWorkerExtension:
     """rlfabric's additions to the vLLM worker. Method names start with `rlfabric_` so they never shadow
