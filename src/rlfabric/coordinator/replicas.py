@@ -1,5 +1,6 @@
 """The serving rollout replicas of a run, as the pipeline sees them: discovered in the Redis registry,
-balanced client-side (least loaded first, at most `per_replica` groups each), a failed one excluded for
+balanced client-side (least loaded first, at most `per_replica` groups each and never more than the
+replica's registered `capacity`, which it would refuse as RESOURCE_EXHAUSTED), a failed one excluded for
 a while. Work goes only to replicas the registry lists as taking work: a draining replica (scale-in) or
 one gone from the registry gets nothing new while its groups in flight finish. Every load change goes to
 the run's busy meter (the autoscaling signal)."""
@@ -40,6 +41,8 @@ class ReplicaPool:
         """Groups in flight per replica, kept until they finish even after the replica left `live`."""
         self.live: set[str] = set()
         """Replicas the registry lists as taking work (serving, not draining): the only ones dispatched to."""
+        self.capacity: dict[str, int] = {}
+        """Each live replica's registered capacity (prompts it admits at once; a group is one prompt)."""
         self.excluded: dict[str, float] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.changed = asyncio.Condition()
@@ -47,9 +50,10 @@ class ReplicaPool:
 
     async def refresh(self) -> None:
         entries = await registry.discover(self.redis, self.run_id)
-        live = {e.address for e in entries if e.takes_work}
+        capacity = {e.address: e.capacity for e in entries if e.takes_work}
+        live = set(capacity)
         async with self.changed:
-            self.live = live
+            self.live, self.capacity = live, capacity
             now = time.monotonic()
             for address in live - self.load.keys():
                 self.load[address] = 0
@@ -74,7 +78,9 @@ class ReplicaPool:
         ready = [
             a
             for a, n in self.load.items()
-            if a in self.live and n < self.per_replica and self.excluded.get(a, 0) <= now
+            if a in self.live
+            and n < min(self.per_replica, self.capacity.get(a, self.per_replica))
+            and self.excluded.get(a, 0) <= now
         ]
         return min(ready, key=lambda a: self.load[a]) if ready else None
 
