@@ -39,10 +39,9 @@ class ReplicaPool:
         self.token = token
         self.load: dict[str, int] = {}
         """Groups in flight per replica, kept until they finish even after the replica left `live`."""
-        self.live: set[str] = set()
-        """Replicas the registry lists as taking work (serving, not draining): the only ones dispatched to."""
         self.capacity: dict[str, int] = {}
-        """Each live replica's registered capacity (prompts it admits at once; a group is one prompt)."""
+        """The replicas the registry lists as taking work (serving, not draining), the only ones dispatched
+        to, with the capacity each registered (prompts it admits at once; a group is one prompt)."""
         self.excluded: dict[str, float] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.changed = asyncio.Condition()
@@ -51,9 +50,9 @@ class ReplicaPool:
     async def refresh(self) -> None:
         entries = await registry.discover(self.redis, self.run_id)
         capacity = {e.address: e.capacity for e in entries if e.takes_work}
-        live = set(capacity)
+        live = capacity.keys()
         async with self.changed:
-            self.live, self.capacity = live, capacity
+            self.capacity = capacity
             now = time.monotonic()
             for address in live - self.load.keys():
                 self.load[address] = 0
@@ -73,13 +72,18 @@ class ReplicaPool:
                 log.warning("replica discovery failed", exc_info=True)
             await asyncio.sleep(interval_s)
 
+    @property
+    def live(self) -> set[str]:
+        """Replicas the registry lists as taking work."""
+        return set(self.capacity)
+
     def _best(self) -> str | None:
         now = time.monotonic()
         ready = [
             a
             for a, n in self.load.items()
-            if a in self.live
-            and n < min(self.per_replica, self.capacity.get(a, self.per_replica))
+            if a in self.capacity
+            and n < min(self.per_replica, self.capacity[a])
             and self.excluded.get(a, 0) <= now
         ]
         return min(ready, key=lambda a: self.load[a]) if ready else None

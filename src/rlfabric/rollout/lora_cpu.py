@@ -31,8 +31,11 @@ def _matrices(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weights.to(dtype=dtype)
 
 
-def _products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Row t: inputs[t] @ weights[indices[t]].T, computed once per distinct index."""
+def _products(
+    inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Row t: inputs[t] @ weights[indices[t]].T in `dtype` (the output's), one product per distinct index."""
+    inputs, weights = inputs.to(dtype), _matrices(weights, dtype)
     outputs = inputs.new_empty((inputs.shape[0], weights.shape[1]))
     if indices.numel() and bool((indices == indices[0]).all()):
         return torch.matmul(inputs, weights[int(indices[0])].T, out=outputs)
@@ -49,8 +52,7 @@ def bgmv_shrink(
     lora_indices_tensor: torch.Tensor,
     scaling: float = 1.0,
 ) -> None:
-    dtype = output_tensor.dtype
-    outputs = _products(inputs.to(dtype), _matrices(lora_a_weights, dtype), lora_indices_tensor)
+    outputs = _products(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
@@ -61,8 +63,7 @@ def bgmv_expand(
     lora_indices_tensor: torch.Tensor,
     add_inputs: bool = True,
 ) -> None:
-    dtype = output_tensor.dtype
-    outputs = _products(inputs.to(dtype), _matrices(lora_b_weights, dtype), lora_indices_tensor)
+    outputs = _products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     limit = output_tensor.shape[0]
     if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
         limit = 1
@@ -82,8 +83,7 @@ def bgmv_expand_slice(
     slice_size: int,
     add_inputs: bool = True,
 ) -> None:
-    dtype = output_tensor.dtype
-    outputs = _products(inputs.to(dtype), _matrices(lora_b_weights, dtype), lora_indices_tensor)
+    outputs = _products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     if add_inputs:
         output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
     else:
