@@ -144,6 +144,8 @@ def machine_line(machine: dict[str, Any]) -> str:
     packages = ", ".join(f"{k} {v}" for k, v in machine["packages"].items() if v)
     cpu = machine.get("cpu") or {}
     features = ", ".join(cpu.get("features", [])) or "no AVX2/AVX-512/AMX"
+    if "bfloat16_speedup" in cpu:
+        features += f"; bfloat16 matmul {cpu['bfloat16_speedup']:.2f}x float32"
     return (
         f"{machine['cpu_count']} CPUs: {cpu.get('model', machine.get('processor'))} ({features}; "
         f"load {machine['load_avg_1m']:.2f} at start), "

@@ -26,8 +26,8 @@ is reported on both sides; `same_reward` holds when every run's fleet eval rewar
 `--placement split` pins the replica to core 0 and the learners to core 1 (as on separate devices);
 `--staleness S` sets every run's `rollout.max_staleness` (0: on-policy); `--replica-max-in-flight P` the
 replicas' capacity on both sides. Results of such a configuration are written as
-`lora_fleet_<placement>_s<S>[_<model>][_m<P>]` beside the default's `lora_fleet` (which alone is copied
-into `lora.json`).
+`lora_fleet_<placement>_s<S>[_<model>][_m<P>][_bf16]` (`_bf16` where `dtype auto` is bfloat16 on this
+machine) beside the default's `lora_fleet` (which alone is copied into `lora.json`).
 
 What bounds the ratio: the fleet can only fill the replica time a run alone leaves idle. Alone, the demo
 (max_staleness 1) overlaps generation with training and keeps its replica busy, so on the same cores four
@@ -50,6 +50,7 @@ from typing import Any
 
 from common import base_parser, fmt, machine_info, machine_line, markdown_table, report_results
 
+from rlfabric.runtime.hardware import auto_dtype
 from rlfabric.tools.tiny_model import PRESETS, TinyModelSpec, save_tiny_model
 
 NAME = "lora_fleet"
@@ -232,7 +233,8 @@ def configuration(payload: dict[str, Any]) -> str:
     base = "the demo's tiny model" if model == "tiny" else f"the `{model}` model"
     capacity = payload.get("replica_max_in_flight")
     held = "" if capacity is None else f", replica capacity {capacity} prompts"
-    return f"{base}, {where}, {lag}" + (" (on-policy)" if staleness == 0 else "") + held
+    dtype = f", {payload['dtype']}" if "dtype" in payload else ""
+    return f"{base}, {where}, {lag}" + (" (on-policy)" if staleness == 0 else "") + held + dtype
 
 
 def merge_into_lora_results(output_dir: Path, payload: dict[str, Any]) -> None:
@@ -288,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs, steps = (2, 4) if args.quick else (args.runs, args.steps)
     machine = machine_info()
     env = {**vllm_env(), "PYTHONUNBUFFERED": "1"}
+    dtype = auto_dtype("cpu")  # what the run files' `dtype auto` means in every process of both sides
     with tempfile.TemporaryDirectory(prefix="bench-lora-fleet-") as tmp:
         workdir = Path(tmp)
         files = write_run_files(workdir, runs, steps, args.staleness, args.model)
@@ -303,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "staleness": args.staleness,
         "model": args.model,
         "replica_max_in_flight": args.replica_max_in_flight,
+        "dtype": dtype,
         "command": " ".join(["python bench/lora_fleet.py", *(argv if argv is not None else sys.argv[1:])]),
         "fleet_goal": FLEET_GOAL,
         "fleet_ratio": fleet_ratio,
@@ -320,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     staleness = 1 if args.staleness is None else args.staleness  # the demo's
     model = "" if args.model == "tiny" else f"_{args.model}"
     capacity = "" if args.replica_max_in_flight is None else f"_m{args.replica_max_in_flight}"
-    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}{model}{capacity}"
+    precision = "_bf16" if dtype == "bfloat16" else ""
+    name = NAME if default else f"{NAME}_{args.placement}_s{staleness}{model}{capacity}{precision}"
     report_results(args.output_dir, name, payload, render_markdown(payload))
     if default and not args.quick:
         merge_into_lora_results(args.output_dir, payload)

@@ -102,7 +102,8 @@ class ModelSpec(SpecModel):
     critic; defaults to `path`. Loaded only with the gae estimator."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
-    with AMX) and float32 elsewhere (`rlfabric.runtime.hardware`); bfloat16 on a CPU without AMX warns."""
+    with AMX, or with AVX-512 BF16 where a probe measures bfloat16 faster) and float32 elsewhere
+    (`rlfabric.runtime.hardware`); bfloat16 where it is not native warns."""
     max_model_len: int = Field(default=2048, ge=16, le=MAX_TOKENS)
     """Longest prompt + completion in tokens."""
     tiny: TinyModelRecipe | None = None

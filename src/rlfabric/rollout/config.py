@@ -24,7 +24,8 @@ class EngineConfig(StrictModel):
     """Local folder or hub id of the base model (policy version 0)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype: auto is bfloat16 where the device computes it natively (a GPU with bfloat16, a CPU
-    with AMX) and float32 elsewhere (`rlfabric.runtime.hardware`); bfloat16 on a CPU without AMX warns."""
+    with AMX, or with AVX-512 BF16 where a probe measures bfloat16 faster) and float32 elsewhere
+    (`rlfabric.runtime.hardware`); bfloat16 where it is not native warns."""
     max_model_len: int = Field(default=2048, ge=16)
     """Longest prompt + completion in tokens."""
     kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
