@@ -132,6 +132,12 @@ def run_summary(series: list[dict[str, Any]], samples_per_step: int) -> dict[str
         "samples": (len(series) - 1) * samples_per_step,
         "reward_last3": sum(r["reward_mean"] for r in series[-3:]) / len(series[-3:]),
         "eval_reward_last": evals[-1] if evals else None,
+        # waits for the learners' turn on shared cores (`--learner-cores`: `learner.core_lock`); None without
+        "core_wait_s": (
+            sum(r["core_wait_seconds"] for r in series if "core_wait_seconds" in r)
+            if any("core_wait_seconds" in r for r in series)
+            else None
+        ),
     }
 
 
@@ -189,11 +195,12 @@ def render_markdown(payload: dict[str, Any]) -> str:
         rows_.append([
             name, f"{seq['span_s']:.0f}", f"{flt['span_s']:.0f}", fmt(seq["reward_last3"]),
             fmt(flt["reward_last3"]), fmt(seq["eval_reward_last"] or 0), fmt(flt["eval_reward_last"] or 0),
+            "-" if flt.get("core_wait_s") is None else f"{flt['core_wait_s']:.0f}",
         ])  # fmt: skip
     seq, flt = result["sequential"], result["fleet"]
     per_run = markdown_table(
         ["run", "span alone (s)", "span on fleet (s)", "reward alone", "reward on fleet",
-         "held-out alone", "held-out on fleet"],
+         "held-out alone", "held-out on fleet", "fleet: waits for the learners' core (s)"],
         rows_,
     )  # fmt: skip
     sides = markdown_table(

@@ -1,6 +1,7 @@
 """`bench/lora_fleet.py --quick --placement split --staleness 0`: two on-policy demo LoRA runs alone and
 then on one fleet replica, the real `rlfabric up` each time, the replica's threads on core 0 and the
-learners confined to core 1 (`--learner-cores`); checked through the bench's JSON."""
+learners confined to core 1 (`--learner-cores`) and taking turns to train there; checked through the bench's
+JSON."""
 
 from __future__ import annotations
 
@@ -41,4 +42,6 @@ def test_lora_fleet_bench_quick_split_on_policy(tmp_path: Path) -> None:
         runs = result["result"][side]["runs"]
         assert sorted(runs) == ["demo-1", "demo-2"] and all(r["steps"] == 4 for r in runs.values())
         assert result["result"][side]["samples"] == 2 * 3 * 8 * 8  # samples after each run's first step
+        # learners on core 1 take turns to train: every step waited for its turn (0 when none was taken)
+        assert all(r["core_wait_s"] is not None and r["core_wait_s"] >= 0 for r in runs.values())
     assert result["fleet_ratio"] > 0 and isinstance(result["goal_met"], bool)

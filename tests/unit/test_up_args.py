@@ -42,11 +42,11 @@ def test_replica_cores_bind_each_replica_to_its_entry_in_turn(tmp_path: Path) ->
     assert args.replica_cores == ["0", "1-3"]
     stack = stack_mod.Stack(tmp_path)
     spec = replica_spec(tmp_path)
-    binds = [
-        stack_mod.replica_process(stack, args, spec, "redis://x", i).env["VLLM_CPU_OMP_THREADS_BIND"]
-        for i in range(3)
-    ]
-    assert binds == ["0", "1-3", "0"]
+    replicas = [stack_mod.replica_process(stack, args, spec, "redis://x", i) for i in range(3)]
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in replicas] == ["0", "1-3", "0"]
+    # the whole replica (front end, engine core) on its cores too, through its guard
+    assert [p.cpus for p in replicas] == ["0", "1-3", "0"]
+    assert all(p.command()[p.command().index("--cpus") + 1] == p.cpus for p in replicas)
 
 
 def test_without_replica_cores_the_environment_decides(
@@ -57,6 +57,7 @@ def test_without_replica_cores_the_environment_decides(
     spec = replica_spec(tmp_path)
     proc = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+    assert proc.cpus is None and "--cpus" not in proc.command()
 
 
 @pytest.mark.parametrize("text", ["", "0||1", "a", "0-x", "1;2", "3-1", "1-2-3"])
@@ -78,8 +79,15 @@ def test_learner_cores_confine_each_learner_with_a_torch_thread_per_core(
     learners = [stack_mod.fleet_learner(stack, args, run.spec, "redis://x", i) for i, run in enumerate(runs)]
     assert [(p.cpus, p.env["OMP_NUM_THREADS"]) for p in learners] == [("1", "1"), ("2-3", "2"), ("1", "1")]
     assert all(p.command()[p.command().index("--cpus") + 1] == p.cpus for p in learners)
+    # learners of one entry take turns to train (one lock file per entry)
+    locks = [yaml.safe_load((tmp_path / f"{run.spec.name}.learner.yaml").read_text()) for run in runs]
+    assert [c["compute_lock"] for c in locks] == [
+        str(tmp_path / "learner-cores-1.lock"), str(tmp_path / "learner-cores-2-3.lock"),
+        str(tmp_path / "learner-cores-1.lock"),
+    ]  # fmt: skip
     alone = stack_mod.learner_process(stack, parse(), runs[0].spec, "redis://x")
     assert (alone.cpus, alone.env["OMP_NUM_THREADS"]) == (None, "1") and "--cpus" not in alone.command()
+    assert "compute_lock" not in yaml.safe_load((tmp_path / "learner.yaml").read_text())
 
 
 def test_the_compile_cache_is_shared_by_runs_unless_the_caller_chooses(

@@ -51,6 +51,10 @@ class LearnerServiceConfig(StrictModel):
     row, `keys.step` and `keys.version`, the end of the data in `keys.learner_done`) and stop when the
     coordinator asks, so a run submitted to a coordinator shows and ends the same way. `rlfabric up` sets
     it; an offline run on its own (no coordinator) leaves it off and needs no Redis."""
+    compute_lock: str | None = None
+    """A file whose exclusive lock the learner holds while it trains each step (`learner.core_lock`):
+    learners sharing cores take turns instead of being time-sliced. `rlfabric up --learner-cores` gives the
+    learners of one core list the same file; None (default) trains without it."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve learner --insecure`): `token` is no longer required at
     start (when set it is still enforced) and a WARNING is logged. For tests and loopback only."""

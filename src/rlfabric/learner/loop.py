@@ -36,6 +36,7 @@ from opentelemetry import context as otel_context
 from rlfabric.contracts import wire
 from rlfabric.learner.batch import GroupSamples
 from rlfabric.learner.config import LearnerServiceConfig
+from rlfabric.learner.core_lock import core_turn
 from rlfabric.learner.dist import World, broadcast_flag, share_payloads
 from rlfabric.learner.export import drop_tied_head
 from rlfabric.learner.leader import Leader
@@ -135,7 +136,7 @@ class TrainingLoop:
         """Steps 3-6 of the module docstring."""
         self.set_state(learner_pb2.LEARNER_STATE_TRAINING)
         start = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics = await asyncio.to_thread(self.train_in_turn, groups)
         metrics.update(component_means(groups))
         metrics.update(trajectory_means(groups))
         metrics["step_seconds"] = time.perf_counter() - start
@@ -149,6 +150,16 @@ class TrainingLoop:
         await self.publish(metrics)
         if self.leader is not None:
             await self.leader.report(metrics, len(groups), len(self.ledger))
+
+    def train_in_turn(self, groups: list[GroupSamples]) -> dict[str, float]:
+        """`Trainer.train_step`, in this learner's turn on its cores when it shares them
+        (`config.compute_lock`, taken by rank 0 only); `core_wait_seconds` is the wait for the turn."""
+        lock = self.config.compute_lock if self.world.is_main else None
+        with core_turn(lock) as waited:
+            metrics = self.trainer.train_step(groups)
+        if lock is not None:
+            metrics["core_wait_seconds"] = waited
+        return metrics
 
     async def persist_if_due(self, metrics: dict[str, float]) -> None:
         due = (

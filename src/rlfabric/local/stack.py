@@ -459,9 +459,10 @@ def new_replica(
         argv += ["--set", f"environment.address={environment}"]
         if stack.credentials is not None:
             env["RLFABRIC_ROLLOUT__ENVIRONMENT__TOKEN"] = stack.credentials.environment
-    if args.replica_cores:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.replica_cores[i % len(args.replica_cores)]
-    return stack.process(name, argv, env, service="rollout")
+    cores = args.replica_cores[i % len(args.replica_cores)] if args.replica_cores else None
+    if cores:  # the model worker's OpenMP threads, and the whole replica (front end, engine core) there
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return stack.process(name, argv, env, service="rollout", cpus=cores)
 
 
 def fleet_settings(specs: list[Any]) -> list[str]:
@@ -533,7 +534,9 @@ def learner_process(
 ) -> ServiceProcess:
     """The run's learner (not started), its settings in `config` in the run directory; with
     `--learner-cores`, on the `index`th entry's cores (modulo their count), one torch thread per core (the
-    ranks of `--learner-ranks` share them)."""
+    ranks of `--learner-ranks` share them) and taking turns to train with the other learners of that entry
+    (`compute_lock`, `learner.core_lock`)."""
+    cores = args.learner_cores[index % len(args.learner_cores)] if args.learner_cores else None
     settings = {
         "run_id": spec.name,
         "redis": {"url": redis_url},
@@ -542,6 +545,8 @@ def learner_process(
         "run": json.loads(spec.model_dump_json()),
         "report_to_redis": spec.mode != "online",
     }
+    if cores:
+        settings["compute_lock"] = str(stack.run_dir / f"learner-cores-{cores}.lock")
     path = stack.run_dir / config
     path.write_text(yaml.safe_dump(settings))
     if args.learner_ranks > 1:
@@ -550,7 +555,6 @@ def learner_process(
         argv += ["serve", "learner", "--config", str(path)]
     else:
         argv = cli("serve", "learner", "--config", str(path))
-    cores = args.learner_cores[index % len(args.learner_cores)] if args.learner_cores else None
     per_rank = len(cpu_list(cores)) // args.learner_ranks if cores else 1  # the ranks share the cores
     threads = str(max(1, per_rank))  # one torch thread per core a rank may use
     env = {"OMP_NUM_THREADS": threads, **os.environ}  # unless the caller chooses

@@ -153,9 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica-cores",
         type=core_lists,
-        help="CPU cores of each replica's vLLM threads, '|' between replicas: replica i takes entry i modulo "
-        "their count, e.g. '0|1' puts one replica on each of two cores (default: vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND from the environment, else unbound)",
+        help="CPU cores of each replica (its vLLM worker's threads bound one per core, its front end and "
+        "engine core on the same cores), '|' between replicas: replica i takes entry i modulo their count, "
+        "e.g. '0|1' puts one replica on each of two cores (default: vLLM's VLLM_CPU_OMP_THREADS_BIND from "
+        "the environment, else unbound)",
     )
     parser.add_argument(
         "--replica-max-in-flight",
