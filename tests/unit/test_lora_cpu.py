@@ -1,6 +1,7 @@
 """`rollout.lora_cpu`: the grouped CPU LoRA ops give what vLLM's own torch ops give (imported from the
 installed vLLM, not a copy), for decode (bgmv) and prefill (sgmv) calls, 3- and 4-dimensional stacked
-weights, tokens without an adapter (index -1), add and overwrite, slices, bfloat16 outputs; and `install`
+weights, tokens without an adapter (index -1), add and overwrite, slices, bfloat16 outputs, through both
+ways a batch of several adapters is computed (all slots stacked, or grouped by adapter); and `install`
 puts them where vLLM's CPU LoRA wrapper calls them."""
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ def vllm_ops() -> dict[str, object]:
     module = importlib.util.module_from_spec(fresh)
     fresh.loader.exec_module(module)
     return {name: getattr(module, name) for name in lora_cpu.OPS}
+
+
+@pytest.fixture(autouse=True, params=["stacked", "grouped"])
+def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every check twice: batches of several adapters through the stacked product (the tests' batches are
+    all small enough) and through the grouping by adapter (what larger batches take)."""
+    if request.param == "grouped":
+        monkeypatch.setattr(lora_cpu, "STACKED_MAX_ELEMENTS", 0)
+    return str(request.param)
 
 
 def indices(tokens: int, slots: int, seed: int) -> torch.Tensor:
