@@ -108,6 +108,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rate (0.01)",
     )
     parser.add_argument("--run-dir", type=Path, help="where everything is written (default runs/<time>)")
+    add_scaling_arguments(parser)
+    parser.add_argument(
+        "--learner-ranks", type=int, default=1, help="learner ranks under torchrun (default 1)"
+    )
+    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument(
+        "--engine", choices=["vllm", "transformers"], default="vllm", help="rollout engine (default vllm)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="let vLLM compile: faster generation; the first start of a model and settings compiles for "
+        "~1 min on two cores, later runs start from the compile cache",
+    )
+    parser.add_argument(
+        "--eager-start",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --compile: serve from an eager replica while its compiled twin builds, then hand over "
+        "(the first steps need not wait for the compile; default on)",
+    )
+    add_placement_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")
+
+
+def add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rollout replicas at start and the local autoscaler's bounds and delays."""
     parser.add_argument("--replicas", type=int, default=1, help="rollout replicas at start (default 1)")
     parser.add_argument(
         "--min-replicas",
@@ -130,26 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds the signal must ask for fewer replicas before one is removed (default 60)",
     )
-    parser.add_argument(
-        "--learner-ranks", type=int, default=1, help="learner ranks under torchrun (default 1)"
-    )
-    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
-    parser.add_argument(
-        "--engine", choices=["vllm", "transformers"], default="vllm", help="rollout engine (default vllm)"
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="let vLLM compile: faster generation; the first start of a model and settings compiles for "
-        "~1 min on two cores, later runs start from the compile cache",
-    )
-    parser.add_argument(
-        "--eager-start",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --compile: serve from an eager replica while its compiled twin builds, then hand over "
-        "(the first steps need not wait for the compile; default on)",
-    )
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the replicas and learners run (their cores) and what each replica holds at once."""
     parser.add_argument(
         "--replica-cores",
         type=core_lists,
@@ -174,7 +185,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--learner-cores 1' keeps generation and training apart as on separate devices (default: any "
         "core, one torch thread)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")
 
 
 class RunFiles(argparse.Action):

@@ -45,13 +45,13 @@ def _products(
     has the same index, else with all slots stacked (small batches) or one product per distinct index."""
     inputs, weights = inputs.to(dtype), _matrices(weights, dtype)
     slots, width = weights.shape[0], weights.shape[1]
-    outputs = inputs.new_empty((inputs.shape[0], width))
     if indices.numel() and bool((indices == indices[0]).all()):
-        return torch.matmul(inputs, weights[int(indices[0])].T, out=outputs)
+        return inputs @ weights[int(indices[0])].T
     if inputs.shape[0] * slots * width <= STACKED_MAX_ELEMENTS:
         every_slot = (inputs @ weights.reshape(slots * width, -1).T).view(-1, slots, width)
         rows = torch.arange(inputs.shape[0], device=inputs.device)
         return every_slot[rows, indices]  # an index of -1 is the last slot, as in `weights[index]`
+    outputs = inputs.new_empty((inputs.shape[0], width))
     for index in torch.unique(indices).tolist():
         rows = (indices == index).nonzero().squeeze(1)
         outputs[rows] = inputs[rows] @ weights[index].T
