@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlfabric.learner.packing import PackedInputs, pack
 from rlfabric.learner.samples import GroupSamples as GroupSamples
 from rlfabric.learner.samples import Rollout as Rollout
 
@@ -140,6 +141,9 @@ class MicroBatch:
     """Per-token advantages, 0 off the completions; phase 3."""
     returns: Tensor | None = None
     """The critic's targets (with a critic, or zeros when the step has no samples); phase 3."""
+    packed: PackedInputs | None = None
+    """The same tokens packed into one row, each group's prompt once (`rlfabric.learner.packing`), when
+    the micro-batch was built with `packed`; the policy's forward then runs on it."""
 
     @property
     def num_tokens(self) -> int:
@@ -183,7 +187,7 @@ class MicroBatch:
         return self.attention_mask.sum(-1) - self.completion_start - 1
 
 
-def _moved(value: Tensor | None, device: torch.device) -> Tensor | None:
+def _moved(value: Any, device: torch.device) -> Any:
     return None if value is None else value.to(device)
 
 
@@ -211,8 +215,9 @@ def _flatten(groups: Sequence[GroupSamples]) -> list[_Row]:
     return [_Row(p, r, g_idx, i) for i, (g_idx, p, r) in enumerate(rows)]
 
 
-def _collate(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
-    """Right-pad `rows` to their longest prompt + completion and align per-token values with targets."""
+def _collate(rows: Sequence[_Row], pad_id: int, packed: bool = False) -> MicroBatch:
+    """Right-pad `rows` to their longest prompt + completion and align per-token values with targets;
+    with `packed`, pack them too (`MicroBatch.packed`)."""
     width = max(len(r.prompt) + len(r.rollout.token_ids) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)
@@ -235,14 +240,24 @@ def _collate(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         group_index=torch.tensor([r.group_index for r in rows], dtype=torch.int64),
         sample_index=torch.tensor([r.sample_index for r in rows], dtype=torch.int64),
         completion_start=torch.tensor([len(r.prompt) - 1 for r in rows], dtype=torch.int64),
+        packed=pack([(r.prompt, r.rollout.token_ids, r.group_index) for r in rows], width, pad_id)
+        if packed
+        else None,
     )
 
 
 def build_micro_batches(
-    groups: Sequence[GroupSamples], micro_batch_size: int, pad_id: int, *, by_length: bool = False
+    groups: Sequence[GroupSamples],
+    micro_batch_size: int,
+    pad_id: int,
+    *,
+    by_length: bool = False,
+    packed: bool = False,
 ) -> list[MicroBatch]:
     """Cut the step's samples into micro-batches of `micro_batch_size` sequences: in step order, or with
     `by_length` shortest first (stable), so that each micro-batch holds sequences of similar length.
+    With `packed` (in step order: a group's samples stay together, so its prompt is packed once per
+    micro-batch) each micro-batch carries its packed row too (`MicroBatch.packed`).
 
     Each micro-batch is padded to its own longest sequence. Sampled completions vary widely in length
     (some stop after a few tokens, some run to max_tokens), so in step order most micro-batches pad every
@@ -254,16 +269,19 @@ def build_micro_batches(
     if micro_batch_size < 1:
         raise ValueError("micro_batch_size must be >= 1")
     rows = _flatten(groups)
-    if by_length:
+    if by_length and not packed:
         rows.sort(key=lambda r: len(r.prompt) + len(r.rollout.token_ids))
-    return [_collate(rows[i : i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
+    return [
+        _collate(rows[i : i + micro_batch_size], pad_id, packed)
+        for i in range(0, len(rows), micro_batch_size)
+    ]
 
 
-def empty_micro_batch(pad_id: int) -> MicroBatch:
+def empty_micro_batch(pad_id: int, packed: bool = False) -> MicroBatch:
     """A one-row micro-batch with nothing to learn from, for a rank with fewer micro-batches than its
     peers: FSDP needs every rank to run the same number of forward/backward passes."""
     row = _Row([pad_id], Rollout([], [], 0.0), group_index=-1, sample_index=-1)
-    mb = _collate([row], pad_id)
+    mb = _collate([row], pad_id, packed)
     mb.attention_mask[:] = 1
     return mb
 

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from rlfabric.learner.algorithms import entropy_from_logits
 from rlfabric.learner.dist import reshard, shard_model
 from rlfabric.learner.lora import add_adapters
+from rlfabric.learner.packing import PACKED_ATTENTION, packing_supported, register_packed_attention
 from rlfabric.runspec import LoraSpec, OptimSpec, RunSpec
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,22 @@ def load_model(
     compile_blocks: bool = False,
     reward_head: bool = False,
     lora: LoraSpec | None = None,
+    packed: bool = False,
 ) -> nn.Module:
     """A causal LM from `path` with float32 master weights on `device`, sharded with FSDP2; with
     `compile_blocks` its element-wise blocks compiled (`compile_elementwise_blocks`). With `reward_head`
     the model is loaded as a sequence classifier with one label instead (the LM head dropped, a scalar
     `score` head newly initialised from the torch RNG: seed it alike on every rank). With `lora` (a trainable
-    policy) only LoRA adapters added to it train (`rlfabric.learner.lora`)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    policy) only LoRA adapters added to it train (`rlfabric.learner.lora`). With `packed` its attention is
+    `packing.packed_attention` where the architecture allows (`packing.packing_supported`; the caller
+    reads `is_packed(model)`), so that it takes packed micro-batches."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     options: dict[str, Any] = {"num_labels": 1} if reward_head else {}
-    if device.type == "cpu" and dtype != torch.float32:
+    if packed and packing_supported(AutoConfig.from_pretrained(str(path))):
+        register_packed_attention()  # computes in float32 where sdpa_in_float32 would
+        options["attn_implementation"] = PACKED_ATTENTION
+    elif device.type == "cpu" and dtype != torch.float32:
         register_float32_attention()
         options["attn_implementation"] = FLOAT32_ATTENTION
     auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
@@ -75,6 +82,11 @@ def load_model(
     if compile_blocks:
         compile_elementwise_blocks(module)
     return module
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether `model` was loaded to take packed micro-batches (`load_model(packed=True)`)."""
+    return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
 
 
 COMPILED_BLOCKS = ("RMSNorm", "MLP")

@@ -63,7 +63,14 @@ from rlfabric.learner.dist import (
     reshard,
 )
 from rlfabric.learner.lora import AdaptersDisabled
-from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model, token_logprobs_and_entropy
+from rlfabric.learner.packing import LAYOUT_KWARG
+from rlfabric.learner.parts import (
+    build_optimizer,
+    clip_and_step,
+    is_packed,
+    load_model,
+    token_logprobs_and_entropy,
+)
 from rlfabric.learner.step_metrics import sample_sums, step_metrics
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runspec import RunSpec
@@ -123,7 +130,9 @@ class Trainer(TrainerBase[GroupSamples]):
             checkpointing=spec.train.activation_checkpointing,
             compile_blocks=spec.train.compile,
             lora=spec.model.lora,
+            packed=spec.train.packing,
         )
+        self.packed = is_packed(self.model)
         self.reference = self._load_reference(model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model, spec)
         self.kl = make_kl_controller(algo.kl.coef, algo.kl.target, algo.kl.horizon)
@@ -146,6 +155,7 @@ class Trainer(TrainerBase[GroupSamples]):
             trainable=False,
             checkpointing=False,
             compile_blocks=self.spec.train.compile,
+            packed=self.packed,
         )
 
     def _load_critic(self, model_path: str | Path) -> Critic | None:
@@ -202,7 +212,7 @@ class Trainer(TrainerBase[GroupSamples]):
         """Phases 1-3: shard, micro-batch, frozen pass, advantages."""
         mine = shard_groups(groups, self.world.rank, self.world.size)
         micro_batches = build_micro_batches(
-            mine, self.spec.train.micro_batch_size, self.pad_id, by_length=True
+            mine, self.spec.train.micro_batch_size, self.pad_id, by_length=True, packed=self.packed
         )
         micro_batches = self._pad_micro_batches(micro_batches)
         step_batch = StepBatch.from_groups(mine)
@@ -218,7 +228,7 @@ class Trainer(TrainerBase[GroupSamples]):
         """Sum of the policy's log-probs of each completion: (N,) in step order. Collective: every rank
         passes the same groups and gets every sample's value (evaluation and tests)."""
         micro_batches = build_micro_batches(
-            groups, self.spec.train.micro_batch_size, self.pad_id, by_length=True
+            groups, self.spec.train.micro_batch_size, self.pad_id, by_length=True, packed=self.packed
         )
         out = torch.zeros(sum(len(g.rollouts) for g in groups))
         for mb in micro_batches:
@@ -247,7 +257,7 @@ class Trainer(TrainerBase[GroupSamples]):
     def _pad_micro_batches(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Move to the device and pad with empty micro-batches to the most any rank has."""
         target = all_reduce_max(len(micro_batches), self.world)
-        padding = [empty_micro_batch(self.pad_id) for _ in range(target - len(micro_batches))]
+        padding = [empty_micro_batch(self.pad_id, self.packed) for _ in range(target - len(micro_batches))]
         return [mb.to(self.device) for mb in micro_batches + padding]
 
     def _train_mask(self, mb: MicroBatch, step_batch: StepBatch) -> Tensor:
@@ -285,9 +295,22 @@ class Trainer(TrainerBase[GroupSamples]):
     def _logprobs(
         self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """`model`'s log-prob of each target and entropy per position: both (B, T)."""
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)
+        """`model`'s log-prob of each target and entropy per position: both (B, T). A packed micro-batch
+        runs as its packed row (0 on the prompt positions, which no loss mask covers)."""
+        packed = mb.packed
+        if packed is None:
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+            return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)
+        logits = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            logits_to_keep=packed.keep,
+            **{LAYOUT_KWARG: packed.layout},
+        ).logits
+        logp, entropy = token_logprobs_and_entropy(logits, packed.targets, entropy_grad)
+        shape = mb.input_ids.shape
+        return packed.to_target_layout(logp, shape), packed.to_target_layout(entropy, shape)
 
     # -- phase 3: advantages ----------------------------------------------------------------------------
 
