@@ -50,20 +50,33 @@ class Piece:
 
 @dataclass
 class PackedLayout:
-    """Where each piece of a packed row lies; passed to every attention layer of one forward."""
+    """Where each piece of a packed row lies; passed to every attention layer of one forward. The pieces
+    tile the row in order."""
 
     pieces: tuple[Piece, ...]
-    _masks: dict[tuple[int, int, torch.device], Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = field(default_factory=dict, repr=False)
+    _index: dict[int, int] = field(default_factory=dict, repr=False)
 
-    def mask(self, piece: Piece, device: torch.device) -> Tensor:
-        """(1, 1, length, prefix_length + length) bool: the prefix, then causal within the piece (built
-        once per shape and device, shared by the layers)."""
-        key = (piece.length, piece.prefix_length, device)
+    @property
+    def lengths(self) -> list[int]:
+        return [piece.length for piece in self.pieces]
+
+    def index_of(self, start: int) -> int:
+        """Index of the piece that starts at packed position `start`."""
+        if not self._index:
+            self._index.update({piece.start: i for i, piece in enumerate(self.pieces)})
+        return self._index[start]
+
+    def mask(self, piece: Piece, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """(1, 1, length, prefix_length + length) additive mask in `dtype`: 0 on the prefix and causally
+        within the piece, -inf elsewhere (built once per shape, dtype and device, shared by the layers;
+        a boolean mask would be converted on every call)."""
+        key = (piece.length, piece.prefix_length, dtype, device)
         if key not in self._masks:
             n, p = piece.length, piece.prefix_length
-            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            prefix = torch.ones(n, p, dtype=torch.bool, device=device)
-            self._masks[key] = torch.cat([prefix, causal], dim=1)[None, None]
+            allowed = torch.ones(n, p + n, dtype=torch.bool, device=device).tril(diagonal=p)
+            blocked = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device)
+            self._masks[key] = torch.where(allowed, 0.0, blocked)[None, None]
         return self._masks[key]
 
 
@@ -181,16 +194,18 @@ def packed_attention(
     if layout is None:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return out.to(dtype), None
+    # One split per tensor, not a slice per piece: a slice's backward writes a zero tensor of the whole
+    # row, so slicing cost (pieces x row) in the backward; a split's backward is one concatenation.
+    queries, keys, values = (t.split(layout.lengths, dim=2) for t in (query, key, value))
     outputs = []
-    for piece in layout.pieces:
-        own = slice(piece.start, piece.start + piece.length)
-        q = query[:, :, own]
+    for i, piece in enumerate(layout.pieces):
         if piece.prefix_length == 0:
-            out, _ = sdpa_attention_forward(module, q, key[:, :, own], value[:, :, own], None, **kwargs)
+            out, _ = sdpa_attention_forward(module, queries[i], keys[i], values[i], None, **kwargs)
         else:
-            before = slice(piece.prefix_start, piece.prefix_start + piece.prefix_length)
-            k = torch.cat([key[:, :, before], key[:, :, own]], dim=2)
-            v = torch.cat([value[:, :, before], value[:, :, own]], dim=2)
-            out, _ = sdpa_attention_forward(module, q, k, v, layout.mask(piece, query.device), **kwargs)
+            j = layout.index_of(piece.prefix_start)
+            k = torch.cat([keys[j], keys[i]], dim=2)
+            v = torch.cat([values[j], values[i]], dim=2)
+            mask = layout.mask(piece, queries[i].dtype, query.device)
+            out, _ = sdpa_attention_forward(module, queries[i], k, v, mask, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1).to(dtype), None
