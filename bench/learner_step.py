@@ -1,22 +1,28 @@
 """Learner training throughput: the FSDP2 `Trainer` at world size 1 against a plain torch loop.
 
-Both train the same model (a fresh copy of the same random checkpoint each) on the same steps, in this
-one process, interleaved step by step:
+All sides train the same model (a fresh copy of the same random checkpoint each) on the same steps, in
+this one process, interleaved step by step:
 - the learner: `Trainer.train_step(groups)` (FSDP2 over gloo with one rank, GRPO advantages, the
-  run's policy loss, gradient clipping, AdamW and its schedule);
+  run's policy loss, gradient clipping, AdamW and its schedule), its micro-batches packed (each group's
+  prompt once, no padding: `train.packing`, the default);
+- the learner padded: the same with `train.packing` off (each row its prompt, padded to the longest);
 - the baseline: the same padded micro-batches (`build_micro_batches`), `AutoModelForCausalLM`, a
   log-softmax gather of the targets, a simple policy-gradient loss (group-centred reward times log-prob,
   summed over completion tokens and divided by the step's token count), backward per micro-batch, then
   gradient clipping and one AdamW step.
 
 Throughput is completion tokens trained per second of wall time; the first step of each is a warm-up
-and is not counted. The goal is learner tokens/s >= 0.9 x the baseline's.
+and is not counted. The goal is learner tokens/s >= 0.9 x the baseline's; the report gives packed /
+padded too. Loads: `bench` (every completion 128 tokens after a 16-64-token prompt: little to share or
+pad) and `rl` (`--load rl`: a 64-192-token prompt per group, completions of 8-128 tokens, as RL samples
+vary; results named `learner_step_rl`).
 
-Usage: python bench/learner_step.py [--quick] [--repeats K (default 3)] [--output-dir DIR]
+Usage: python bench/learner_step.py [--quick] [--load bench|rl] [--repeats K (default 3)] [--output-dir DIR]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 import time
@@ -45,8 +51,9 @@ GOAL = 0.9
 
 @dataclass(frozen=True)
 class Load:
-    """One training step's shape: `groups` prompts x `n` samples, each `completion` tokens long after a
-    prompt of `prompt_min`..`prompt_max` tokens; `micro_batch` sequences per forward/backward."""
+    """One training step's shape: `groups` prompts x `n` samples, each `completion_min`..`completion`
+    tokens long after its group's prompt of `prompt_min`..`prompt_max` tokens; `micro_batch` sequences
+    per forward/backward."""
 
     preset: str
     groups: int
@@ -55,14 +62,18 @@ class Load:
     prompt_max: int
     completion: int
     micro_batch: int
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.groups * self.n * self.completion
+    completion_min: int | None = None
+    """None: every completion is `completion` tokens."""
 
 
 FULL = Load("bench", groups=8, n=8, prompt_min=16, prompt_max=64, completion=128, micro_batch=8)
-QUICK = Load("tiny", groups=2, n=4, prompt_min=4, prompt_max=12, completion=16, micro_batch=4)
+RL = Load(
+    "bench", groups=8, n=8, prompt_min=64, prompt_max=192, completion=128, micro_batch=8, completion_min=8
+)
+QUICK = Load(
+    "tiny", groups=2, n=4, prompt_min=4, prompt_max=12, completion=16, micro_batch=4, completion_min=4
+)
+SIDES = ("learner", "learner_padded", "plain")
 LR = 1e-5
 
 
@@ -83,20 +94,21 @@ def make_steps(load: Load, count: int, vocab_size: int) -> list[list[Any]]:
     def ids(length: int) -> list[int]:
         return torch.randint(8, vocab_size, (length,), generator=gen).tolist()
 
+    def between(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=gen))
+
+    def rollout() -> Rollout:
+        length = between(load.completion_min or load.completion, load.completion)
+        return Rollout(ids(length), [-1.0] * length, float(torch.rand((), generator=gen) < 0.5))
+
     def group(step: int, g: int) -> GroupSamples:
-        prompt_len = int(torch.randint(load.prompt_min, load.prompt_max + 1, (), generator=gen))
-        rollouts = [
-            Rollout(
-                ids(load.completion), [-1.0] * load.completion, float(torch.rand((), generator=gen) < 0.5)
-            )
-            for _ in range(load.n)
-        ]
-        return GroupSamples(ids(prompt_len), rollouts, group_id=f"{step}-{g}")
+        prompt = ids(between(load.prompt_min, load.prompt_max))
+        return GroupSamples(prompt, [rollout() for _ in range(load.n)], group_id=f"{step}-{g}")
 
     return [[group(s, g) for g in range(load.groups)] for s in range(count)]
 
 
-def run_spec(model_dir: Path, load: Load) -> Any:
+def run_spec(model_dir: Path, load: Load, packing: bool) -> Any:
     from rlfabric.runspec import RunSpec
 
     return RunSpec.model_validate({
@@ -104,7 +116,7 @@ def run_spec(model_dir: Path, load: Load) -> Any:
         "dataset": {"path": "unused.jsonl"},
         "rollout": {"sampling": {"n": load.n, "max_tokens": load.completion}},
         "optim": {"lr": LR, "warmup_steps": 0},
-        "train": {"micro_batch_size": load.micro_batch, "steps": 1000},
+        "train": {"micro_batch_size": load.micro_batch, "steps": 1000, "packing": packing},
     })  # fmt: skip
 
 
@@ -179,75 +191,100 @@ def measure(load: Load, repeats: int, workdir: Path) -> dict[str, Any]:
     model_dir = make_model(load.preset, workdir / "model")
     plain = PlainLoop(model_dir, load, device)
     world = init_distributed(device)
-    trainer = Trainer(run_spec(model_dir, load), model_dir, device=device, world=world)
+    packed = Trainer(run_spec(model_dir, load, packing=True), model_dir, device=device, world=world)
+    padded = Trainer(run_spec(model_dir, load, packing=False), model_dir, device=device, world=world)
     steps = make_steps(load, repeats + 1, plain.model.config.vocab_size)
-    sides = {"learner": trainer.train_step, "plain": plain.train_step}
-    seconds: dict[str, list[float]] = {"learner": [], "plain": []}
+    sides = {"learner": packed.train_step, "learner_padded": padded.train_step, "plain": plain.train_step}
+    seconds: dict[str, list[float]] = {side: [] for side in SIDES}
     for i, groups in enumerate(steps):
-        order = ["learner", "plain"] if i % 2 == 0 else ["plain", "learner"]
+        order = SIDES[i % 3 :] + SIDES[: i % 3]  # each side goes first in turn
         for side in order:
             elapsed = timed(sides[side], groups)
             print(f"step {i} {side}: {elapsed:.1f} s", file=sys.stderr, flush=True)
             if i > 0:
                 seconds[side].append(elapsed)
     destroy_distributed()
-    tokens = load.completion_tokens
+    tokens = [sum(len(r.token_ids) for g in groups for r in g.rollouts) for groups in steps[1:]]
     throughput = {
-        side: Stats.of([tokens / s for s in values], "tokens/s") for side, values in seconds.items()
+        side: Stats.of([n / s for n, s in zip(tokens, values, strict=True)], "tokens/s")
+        for side, values in seconds.items()
     }
-    step_ratios = [p / learner for learner, p in zip(seconds["learner"], seconds["plain"], strict=True)]
+
+    def per_step(side: str, baseline: str) -> dict[str, Any]:
+        ratios = [b / s for s, b in zip(seconds[side], seconds[baseline], strict=True)]
+        return Stats.of(ratios, "x").to_dict()
+
     return {
         "load": asdict(load),
-        "completion_tokens_per_step": tokens,
+        "completion_tokens_per_step": statistics.median(tokens),
         "torch_threads": torch.get_num_threads(),
         "device": device.type,
         "tokens_per_s": {side: stats.to_dict() for side, stats in throughput.items()},
         "ratio": ratio(throughput["learner"].median, throughput["plain"].median),
-        "ratio_per_step": Stats.of(step_ratios, "x").to_dict(),
+        "ratio_per_step": per_step("learner", "plain"),
+        "packing_ratio": ratio(throughput["learner"].median, throughput["learner_padded"].median),
+        "packing_ratio_per_step": per_step("learner", "learner_padded"),
     }
+
+
+LABELS = {
+    "learner": "FSDP2 Trainer (packed)",
+    "learner_padded": "FSDP2 Trainer (padded)",
+    "plain": "plain torch",
+}
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
     r, load = payload["result"], payload["result"]["load"]
     tps = {side: Stats(**s) for side, s in r["tokens_per_s"].items()}
-    rows = [
-        [side, fmt(s.median), s.spread()]
-        for side, s in (("FSDP2 Trainer", tps["learner"]), ("plain torch", tps["plain"]))
-    ]
+    rows = [[LABELS[side], fmt(s.median), s.spread()] for side, s in tps.items()]
     per_step = Stats(**r["ratio_per_step"])
+    packing = Stats(**r["packing_ratio_per_step"])
     verdict = "met" if r["ratio"] >= GOAL else "**not met**"
+    lengths = (
+        f"{load['completion_min']}-{load['completion']}" if load["completion_min"] else load["completion"]
+    )
     return "\n\n".join([
         f"## learner_step: FSDP2 learner vs a plain torch loop (world size 1, {r['device'].upper()})",
         machine_line(payload["machine"]),
         f"Model preset `{load['preset']}`; a step is {load['groups']} groups x {load['n']} samples x "
-        f"{load['completion']} completion tokens (prompts {load['prompt_min']}-{load['prompt_max']} tokens), "
-        f"micro-batches of {load['micro_batch']}, float32, {r['torch_threads']} torch threads. Median of "
-        f"{payload['repeats']} interleaved steps after one warm-up step each (min..max).",
+        f"{lengths} completion tokens (prompts {load['prompt_min']}-{load['prompt_max']} tokens, one per "
+        f"group), micro-batches of {load['micro_batch']}, float32, {r['torch_threads']} torch threads. "
+        f"Median of {payload['repeats']} interleaved steps after one warm-up step each (min..max).",
         markdown_table(["", "completion tokens/s", "spread"], rows),
         f"Ratio learner / plain: **{fmt(r['ratio'])}** (per-step ratios {fmt(per_step.median)}, "
-        f"{per_step.spread()}). Goal >= {GOAL}: {verdict}.",
+        f"{per_step.spread()}). Goal >= {GOAL}: {verdict}. Packed / padded learner: "
+        f"**{fmt(r['packing_ratio'])}** (per step {fmt(packing.median)}, {packing.spread()}).",
     ])  # fmt: skip
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
     tps = {side: Stats(**s) for side, s in payload["result"]["tokens_per_s"].items()}
-    bars = [Bar("FSDP2 Trainer", tps["learner"]), Bar("plain torch", tps["plain"])]
+    bars = [Bar(LABELS[side], stats) for side, stats in tps.items()]
     bar_plot(path, [("training throughput", "completion tokens/s", bars)], "learner_step")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.set_defaults(repeats=3)
+    parser.add_argument(
+        "--load",
+        choices=("bench", "rl"),
+        default="bench",
+        help="bench: 128-token completions, short prompts (default); rl: long shared prompts, 8-128-token "
+        "completions (results learner_step_rl)",
+    )
     args = parser.parse_args(argv)
     repeats = effective_repeats(args)
-    load = QUICK if args.quick else FULL
+    load = QUICK if args.quick else RL if args.load == "rl" else FULL
     machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as workdir:
         result = measure(load, repeats, Path(workdir))
     payload = {"machine": machine, "quick": args.quick, "repeats": repeats, "goal": GOAL, "result": result}
     payload["goal_met"] = result["ratio"] >= GOAL
     markdown = render_markdown(payload)
-    report_results(args.output_dir, NAME, payload, markdown, plot)
+    name = NAME if args.quick or args.load == "bench" else f"{NAME}_{args.load}"
+    report_results(args.output_dir, name, payload, markdown, plot)
     return 0
 
 

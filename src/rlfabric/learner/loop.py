@@ -79,6 +79,7 @@ class TrainingLoop:
     async def run(self) -> None:
         await self.start()
         await self.resume()
+        await asyncio.to_thread(self.warm_up)
         while self.trainer.step < self.spec.train.steps:
             deliveries = await self.leader.collect() if self.leader is not None else []
             payloads = share_payloads(encode(deliveries), self.world)
@@ -150,6 +151,11 @@ class TrainingLoop:
         await self.publish(metrics)
         if self.leader is not None:
             await self.leader.report(metrics, len(groups), len(self.ledger))
+
+    def warm_up(self) -> None:
+        """`Trainer.warm_up` (collective), in this learner's turn on its cores like a step."""
+        with core_turn(self.config.compute_lock if self.world.is_main else None):
+            self.trainer.warm_up()
 
     def train_in_turn(self, groups: list[GroupSamples]) -> dict[str, float]:
         """`Trainer.train_step`, in this learner's turn on its cores when it shares them

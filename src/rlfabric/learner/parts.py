@@ -57,6 +57,9 @@ def load_model(
     if packed and packing_supported(AutoConfig.from_pretrained(str(path))):
         register_packed_attention()  # computes in float32 where sdpa_in_float32 would
         options["attn_implementation"] = PACKED_ATTENTION
+        log.info("train.packing: %s takes packed micro-batches", path)
+    elif packed:
+        log.info("train.packing: %s has sliding-window attention layers; its micro-batches are padded", path)
     elif device.type == "cpu" and dtype != torch.float32:
         register_float32_attention()
         options["attn_implementation"] = FLOAT32_ATTENTION

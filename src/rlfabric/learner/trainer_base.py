@@ -75,6 +75,10 @@ class TrainerBase(Generic[ItemT]):
         self._set_progress(self._step + 1, self._policy_version + 1)
         return metrics
 
+    def warm_up(self) -> None:
+        """Run the training path once on made-up data, leaving no trace (collective), so that one-time
+        costs (compiling, first allocations) are paid before the first real step. Nothing by default."""
+
     def renumber(self, version: int) -> None:
         """Hold the current weights as `version` (the loop chose it: see invariant 1)."""
         self._set_progress(self._step, version)
