@@ -61,6 +61,8 @@ class Task:
     """rlfabric's `train.compile`: the learner's normalisation layers and MLPs compiled into fused kernels
     (attention and matmuls eager). TRL's own `torch_compile` compiles the whole model for training only
     (generation runs the eager model); it is not turned on here."""
+    learner_packing: bool = True
+    """rlfabric's `train.packing`: each micro-batch packed into one row, each group's prompt once."""
     seed: int = 0
     threads: int = 2
     """torch threads of the TRL process (the machine's cores)."""
@@ -134,6 +136,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
             "checkpoint_every": task.steps,
             "seed": task.seed,
             "compile": task.learner_compile,
+            "packing": task.learner_packing,
         },
     }
 

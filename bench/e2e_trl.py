@@ -102,13 +102,14 @@ def prepare(work: Path, args: Any) -> Task:
                     lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
                     max_staleness=args.max_staleness, old_policy=args.old_policy,
                     rollout_correction=args.rollout_correction,
-                    learner_compile=args.learner_compile)  # fmt: skip
+                    learner_compile=args.learner_compile,
+                    learner_packing=args.learner_packing)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
                 max_staleness=args.max_staleness, old_policy=args.old_policy,
                 rollout_correction=args.rollout_correction,
-                learner_compile=args.learner_compile)  # fmt: skip
+                learner_compile=args.learner_compile, learner_packing=args.learner_packing)  # fmt: skip
 
 
 def measure(
@@ -290,6 +291,7 @@ def report(
         f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
         f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, "
         f"learner blocks {'compiled' if task.learner_compile else 'eager'}, "
+        f"learner micro-batches {'packed' if task.learner_packing else 'padded'}, "
         f"{task.dtype}, max_staleness {task.max_staleness} (old_policy {task.old_policy}, rollout "
         f"correction {task.rollout_correction}), placement {where.name} (vLLM on cores "
         f"{where.vllm_cores}, learner torch threads {where.learner_threads or 1}); TRL {task.dtype}.",
@@ -381,6 +383,12 @@ def parse_args() -> Any:
         default=True,
         help="rlfabric's train.compile: the learner's norms and MLPs compiled (default; ~20-40 s more "
         "start-up, excluded from the steady figure) or eager",
+    )
+    parser.add_argument(
+        "--learner-packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rlfabric's train.packing: a micro-batch's samples packed, each prompt once (default) or padded",
     )
     parser.add_argument(
         "--compile-cache",

@@ -132,6 +132,10 @@ def test_the_eager_replica_served_first_and_the_compiled_twin_took_over(
     assert "supervise: rollout-0 exited" not in output  # the drained eager replica is not restarted
     assert set(watch.replicas) == {"rollout-0", "rollout-0-compiled"}, watch.replicas
     assert any((run_dir / "inductor").rglob("*.py")), "the twin compiled nothing into its inductor cache"
+    # the eager stand-in ran its model worker inside the engine core (one process fewer to start); the
+    # twin, which serves from then on, has its own worker process
+    assert "VllmWorker" not in (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "VllmWorker" in (run_dir / "logs" / "rollout-0-compiled.log").read_text()
 
 
 def test_books_balance_across_the_hand_over(handed_over: tuple[Path, Watch], redis_server: Any) -> None:

@@ -84,3 +84,45 @@ def test_nothing_is_handed_over_once_supervision_closed(tmp_path: Path) -> None:
     finally:
         for proc in (twin, eager):
             proc.stop(grace_s=5)
+
+
+def test_the_twin_waits_for_the_gate_and_starts_when_it_opens(tmp_path: Path) -> None:
+    """The twin starts only once the run has a first step (the gate), so that its compiling does not slow
+    the stack's start and first step; a gate that never opens delays it by `gate_timeout_s` at most."""
+    opened: list[bool] = []
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", SERVE)
+    late = process(tmp_path, "rollout-1-compiled", SERVE)
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=lambda _: None)
+    supervisor.watch(eager, "ready")
+    gated = Handoff(eager, twin, "ready", gate=lambda: bool(opened), say=lambda _: None)
+    never = Handoff(eager, late, "ready", gate=lambda: 1 / 0 > 0, gate_timeout_s=1.0, say=lambda _: None)
+    try:
+        gated.begin(supervisor, None)
+        never.begin(supervisor, None)
+        time.sleep(1.5)
+        assert twin.launched_at == 0.0 and gated.outcome is None  # held by its gate
+        until(lambda: late.running())  # a gate that raises is closed, but only until its timeout
+        opened.append(True)
+        until(lambda: gated.outcome is not None)
+        assert twin.running() and gated.outcome.startswith("rollout-0-compiled ready after")
+    finally:
+        supervisor.close()
+        for proc in (twin, late, eager):
+            proc.stop(grace_s=5)
+
+
+def test_first_version_opens_once_any_run_published_after_the_base(redis_url: str) -> None:
+    import redis
+
+    from rlfabric.contracts import keys
+    from rlfabric.local.handoff import first_version
+
+    gate = first_version(redis_url, ["gate-a", "gate-b"])
+    client = redis.Redis.from_url(redis_url)
+    assert not gate()
+    client.set(keys.version("gate-b"), 0)
+    assert not gate()
+    client.set(keys.version("gate-b"), 1)
+    assert gate()

@@ -462,7 +462,16 @@ def new_replica(
     cores = args.replica_cores[i % len(args.replica_cores)] if args.replica_cores else None
     if cores:  # the model worker's OpenMP threads, and the whole replica (front end, engine core) there
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    if not compile_ and eager_start(args) and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        env.update(STAND_IN_ENV)
     return stack.process(name, argv, env, service="rollout", cpus=cores)
+
+
+STAND_IN_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""An eager replica that serves only until its compiled twin takes over runs its model worker inside the
+engine core: one process fewer to spawn (each spawn re-imports torch and vLLM, ~8 s on two cores) before
+the first sample. vLLM can then not pin the worker's OpenMP threads; the replica's cores (`--cpus`) still
+hold the whole process."""
 
 
 def fleet_settings(specs: list[Any]) -> list[str]:
