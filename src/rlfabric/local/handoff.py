@@ -7,13 +7,9 @@ run waited for it (178 s to the first step of the e2e bench, against TRL's 38 s)
 in ~15 s. So for each replica `up` starts both, on the same cores:
 
     1. serve      the eager replica (`rollout-i`) takes the run's work as soon as it holds a version
-    2. build      its compiled twin (`rollout-i-compiled`) starts once the run has trained its first
-                  step (`gate`: the first published version; at most `gate_timeout_s` later): on a
-                  small machine its compiling (a core or two for ~50 s) would otherwise slow the
-                  stack's start and the first step's generation, the time to a first step (measured
-                  on two cores: the first generation took 19 s beside the compiling twin, for 2,700
-                  tokens); once ready it loads the run's published version and registers, taking work
-                  beside the eager one
+    2. build      its compiled twin (`rollout-i-compiled`) starts once the rest of the stack is up
+                  (its compiling would slow their start); once ready it
+                  loads the run's published version and registers, taking work beside the eager one
     3. hand over  the supervisor watches the twin instead, the local scaler counts it instead, and the
                   eager replica gets SIGTERM: it admits nothing new, finishes what it admitted and
                   deregisters (the scale-in drain), so nothing is lost or generated twice
@@ -44,38 +40,20 @@ class Handoff:
     twin: ServiceProcess
     ready: str
     start_timeout_s: float = 600.0
-    gate: Callable[[], bool] | None = None
-    """Polled before the twin starts (None: start at once); errors count as not yet."""
-    gate_timeout_s: float = 120.0
     say: Callable[[str], None] = print
     outcome: str | None = None
     """What happened, for the summary: None while the twin builds."""
     _thread: threading.Thread | None = field(default=None, repr=False)
 
     def begin(self, supervisor: Supervisor, scaler: LocalScaler | None) -> None:
-        """In the background: waits for the gate, launches the twin and hands over when it is ready."""
+        """Launches the twin (once the rest of the stack is up, so its compiling does not slow their
+        start) and hands over in the background when it is ready."""
+        self.twin.launch()
+        self.say(f"  starting {self.twin.name} (compiled; {self.eager.name} serves meanwhile) ...")
         self._thread = threading.Thread(target=self._run, args=(supervisor, scaler), daemon=True)
         self._thread.start()
 
-    def _gate_open(self) -> bool:
-        try:
-            return self.gate is None or bool(self.gate())
-        except Exception:  # a gate that cannot tell yet (Redis restarting) is not open
-            return False
-
     def _run(self, supervisor: Supervisor, scaler: LocalScaler | None) -> None:
-        deadline = time.monotonic() + self.gate_timeout_s
-        while not self._gate_open() and time.monotonic() < deadline:
-            if supervisor.closed:
-                return
-            time.sleep(0.5)
-        if supervisor.closed:
-            return
-        self.twin.launch()
-        if supervisor.closed:  # `up` stopped meanwhile: the stack may already have stopped its processes
-            self.twin.stop(grace_s=10)
-            return
-        self.say(f"  starting {self.twin.name} (compiled; {self.eager.name} serves meanwhile) ...")
         started = self.twin.launched_at
         try:
             self.twin.wait_for(
@@ -101,13 +79,3 @@ class Handoff:
         self.outcome = f"{self.twin.name} ready after {took_s:.0f} s; {self.eager.name} drains and stops"
         self.say(f"handoff: {self.outcome}")
         self.eager.stop(grace_s=30)
-
-
-def first_version(redis_url: str, runs: list[str]) -> Callable[[], bool]:
-    """A `Handoff.gate`: any of `runs` has published a version after the base (its first step is trained)."""
-    import redis
-
-    from rlfabric.contracts import keys
-
-    client = redis.Redis.from_url(redis_url, socket_timeout=2)
-    return lambda: any(int(client.get(keys.version(run)) or 0) >= 1 for run in runs)

@@ -42,13 +42,11 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlfabric.local.credentials import CredentialsError, for_run
-from rlfabric.local.handoff import first_version
 from rlfabric.local.stack import (
     REDIS_READY,
     FleetRun,
@@ -499,7 +497,7 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
             return 0
         spec = warm_started(stack, options, spec)  # the SFT run first, when the run has a warm start
         services = start_services(stack, options, spec, redis_url, scale_policy(options))
-        supervise(stack, services, supervisor, first_version(redis_url, [spec.name]))
+        supervise(stack, services, supervisor)
         api = Api(services.url, stack.credentials.api if stack.credentials else "")
         try:
             announce(api, spec, chosen.run_dir, submit=action == "submit")
@@ -515,11 +513,9 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     return 0 if status.get("state") == RunState.COMPLETED else 1
 
 
-def supervise(
-    stack: Stack, services: Services, supervisor: Supervisor, twins_after: Callable[[], bool] | None = None
-) -> None:
+def supervise(stack: Stack, services: Services, supervisor: Supervisor) -> None:
     """Puts Redis (unless --redis-url) and every service under the supervisor; a learner that exits 0 has
-    finished and is not restarted. Compiled twins start once `twins_after` holds (`Handoff.gate`)."""
+    finished and is not restarted."""
     redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]
     for proc, ready in redis + services.supervised:
         learner = any(proc is learner for learner in services.learners)
@@ -527,7 +523,6 @@ def supervise(
     if services.scaler is not None:
         services.scaler.supervisor = supervisor
     for handoff in services.handoffs:
-        handoff.gate = twins_after
         handoff.begin(supervisor, services.scaler)
 
 
@@ -548,7 +543,7 @@ def bring_up_fleet(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         names = [run.spec.name for run in runs]
         policy = scale_policy(chosen.args)
         services = start_fleet_services(stack, chosen.args, runs, redis_url, policy)
-        supervise(stack, services, supervisor, first_version(redis_url, [run.spec.name for run in runs]))
+        supervise(stack, services, supervisor)
         api = Api(services.url, stack.credentials.api if stack.credentials else "")
         try:
             for run in runs:
