@@ -241,10 +241,24 @@ def run_rlfabric(
     end = time.time()
     rows = [json.loads(line) for line in (run_dir / "e2e" / "metrics.jsonl").read_text().splitlines()]
     steps = [rlfabric_step(r) for r in rows]
+    handed_over = handover_version(run_dir / "logs")
     return {
-        **summarize(steps, task, start, end, cpu),
+        **summarize(steps, task, start, end, cpu, warm_up_steps=handed_over + 1),
         "ready_s": ready_times((run_dir / "up.out").read_text()),
+        "handover_version": handed_over,
     }
+
+
+def handover_version(logs: Path) -> int:
+    """The policy version the compiled twin first served (its "serving version N" line), 0 without one:
+    the run's steps up to N + 1 were generated, wholly or partly, by the eager replica while the twin
+    compiled beside them (`rlfabric.local.handoff`), a start-up phase."""
+    versions = [
+        int(m[1])
+        for log in logs.glob("rollout-*-compiled.log")
+        if (m := re.search(r"serving version (\d+)", log.read_text(errors="replace")))
+    ]
+    return max(versions, default=0)
 
 
 def ready_times(up_output: str) -> dict[str, float]:
@@ -291,18 +305,31 @@ def run_trl(task: Task, work: Path, *, timeout_s: float) -> dict[str, Any]:
 
 
 def summarize(
-    steps: list[dict[str, Any]], task: Task, start: float, end: float, cpu: TreeCpu
+    steps: list[dict[str, Any]],
+    task: Task,
+    start: float,
+    end: float,
+    cpu: TreeCpu,
+    warm_up_steps: int = 1,
 ) -> dict[str, Any]:
-    """Figures of one run. Steady state: from the end of the first step to the end of the last, so
-    start-up (engine, model load) and the first step's warm-up are out of the throughput."""
+    """Figures of one run. Steady state: from the end of step `warm_up_steps` (1, or with rlfabric's
+    eager-first start the step after the compiled twin took over; at most all but two steps) to the end of
+    the last, so start-up (engines, model loads, compiling) is out of the throughput; `samples_per_s_after_
+    first_step` keeps the window from the end of step 1 whatever happened after it."""
     if len(steps) != task.steps:
         raise RuntimeError(f"expected {task.steps} steps, got {len(steps)}")
-    first, last = steps[0], steps[-1]
-    steady = steps[1:]
+    skip = min(max(warm_up_steps, 1), max(len(steps) - 2, 1))
+    first, last = steps[skip - 1], steps[-1]
+    steady = steps[skip:]
     span = last["time"] - first["time"]
+    after_first = last["time"] - steps[0]["time"]
     tail = steps[-max(1, len(steps) // 4) :]
     return {
         "samples_per_s": sum(s["samples"] for s in steady) / span if span > 0 else float("nan"),
+        "steady_from_step": skip,
+        "samples_per_s_after_first_step": sum(s["samples"] for s in steps[1:]) / after_first
+        if after_first > 0
+        else float("nan"),
         "seconds_per_step": span / len(steady) if steady else float("nan"),
         "samples_per_s_with_startup": sum(s["samples"] for s in steps) / (last["time"] - start),
         "first_step_end_s": first["time"] - start,

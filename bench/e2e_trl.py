@@ -29,7 +29,9 @@ How each one runs on the machine's two cores:
 
 Each repeat runs both, interleaved (rlfabric first in even repeats). Measured per run:
 
-- samples trained per second in the steady state (end of step 1 to end of the last step), and with
+- samples trained per second in the steady state (end of step 1 to end of the last step; for rlfabric
+  with its eager-first start, from the end of the step after the compiled replica took over, the
+  end of the start-up; `samples_per_s_after_first_step` in the JSON keeps step 1's end), and with
   start-up included (process start to the end of the last step);
 - reward after the same number of samples: the mean training reward of the last quarter of the steps.
   "Equal or better" when rlfabric's median is within or above TRL's repeats, or below them by less than
@@ -269,6 +271,15 @@ def startup_lines(results: dict[str, list[dict[str, Any]]], args: Any) -> list[s
         names = [n for n in ready[0] if n != "redis"] if ready else []
         times = [f"{n} {fmt(statistics.median(r[n] for r in ready if n in r))} s" for n in names]
         lines.append(first + (f"; ready after launch: {', '.join(times)}" if times else "") + ".")
+        handed = [r["handover_version"] for r in runs if r.get("handover_version")]
+        if handed:
+            starts = ", ".join(str(r["steady_from_step"]) for r in runs)
+            lines.append(
+                f"  The compiled replica served from version {', '.join(map(str, handed))} (per repeat): the "
+                f"steady window starts at the end of step {starts}; "
+                f"from the end of step 1 instead: "
+                f"{fmt(stats(runs, 'samples_per_s_after_first_step').median)} samples/s."
+            )
     return lines
 
 
