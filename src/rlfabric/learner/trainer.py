@@ -315,8 +315,10 @@ class Trainer(TrainerBase[GroupSamples]):
         self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
         """`model`'s log-prob of each target and entropy per position: both (B, T). A packed micro-batch
-        runs as its packed row (0 on the prompt positions, which no loss mask covers)."""
-        packed = mb.packed
+        runs as its packed row (0 on the prompt positions, which no loss mask covers) through a model
+        loaded for it; a model that is not (a reference whose architecture cannot be packed) takes the
+        padded rows."""
+        packed = mb.packed if is_packed(model) else None
         if packed is None:
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)

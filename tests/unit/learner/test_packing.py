@@ -122,6 +122,35 @@ def test_a_packed_step_computes_what_the_padded_step_computes(
     torch.testing.assert_close(logprobs[1], logprobs[0], atol=1e-5, rtol=0)
 
 
+def test_a_reference_that_cannot_be_packed_reads_the_padded_rows(
+    tiny_model_dir: Path, reference_dir: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy packs, the reference (another architecture, here made to look like one with sliding
+    windows) does not: its log-probs come from the padded rows and the step is still the padded one's."""
+    from rlfabric.learner import parts
+
+    groups = _groups(seed=2, n_groups=2, n=4)
+    options: dict[str, Any] = {"algorithm": {"kl": {"coef": 0.1, "mode": "loss"}}, "reference": True}
+    expected = Trainer(
+        _spec(tiny_model_dir, reference_dir, options, False), tiny_model_dir, device=CPU, world=world
+    )
+    want = expected.accumulate_gradients(groups)
+    supported = parts.packing_supported
+    reference = str(reference_dir)
+    monkeypatch.setattr(
+        parts, "packing_supported", lambda config: supported(config) and config._name_or_path != reference
+    )
+    trainer = Trainer(
+        _spec(tiny_model_dir, reference_dir, options, True), tiny_model_dir, device=CPU, world=world
+    )
+    assert trainer.packed and trainer.reference is not None and not parts.is_packed(trainer.reference)
+    got = trainer.accumulate_gradients(groups)
+    assert got["kl"] > 1e-3
+    assert got["kl"] == pytest.approx(want["kl"], abs=1e-5) and got["loss"] == pytest.approx(
+        want["loss"], abs=1e-5
+    )
+
+
 def test_a_packed_bfloat16_step_learns(tiny_model_dir: Path, world: World) -> None:
     spec = _spec(tiny_model_dir, None, {"model": {"dtype": "bfloat16"}}, packing=True)
     trainer = Trainer(spec, tiny_model_dir, device=CPU, world=world)
