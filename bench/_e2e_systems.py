@@ -219,16 +219,18 @@ def run_rlfabric(
     placement: Placement,
     timeout_s: float,
     compile_cache: Path | None = None,
+    stand_in: str = "transformers",
 ) -> dict[str, Any]:
     """One `rlfabric up`, its vLLM replica and learner placed on the cores as `placement` says.
     `compile_cache`: where vLLM's and torch inductor's compile caches go (VLLM_CACHE_ROOT and
-    TORCHINDUCTOR_CACHE_DIR); None leaves them where the environment says."""
+    TORCHINDUCTOR_CACHE_DIR); None leaves them where the environment says. `stand_in`: `up --stand-in`."""
     run_dir = work / "rlfabric"
     run_dir.mkdir(parents=True)
     run_file = run_dir / "run.json"
     run_file.write_text(json.dumps(rlfabric_spec(task, "e2e")))
     argv = [sys.executable, "-m", "rlfabric.cli", "up", str(run_file), "--run-dir", str(run_dir)]
-    argv += ["--no-progress", "--engine", engine, *(["--compile"] if compile_ else [])]
+    argv += ["--no-progress", "--engine", engine]
+    argv += ["--compile", "--stand-in", stand_in] if compile_ else []
     argv += ["--replicas", str(placement.replicas), "--replica-cores", placement.vllm_cores]
     argv += ["--learner-ranks", str(placement.learner_ranks)]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -3,7 +3,8 @@
     python bench/e2e_trl.py [--repeats 3] [--steps 10] [--lr 2e-3] [--dtype auto|bfloat16|float32]
                             [--max-staleness 0|1] [--old-policy trainer|rollout]
                             [--placement split|shared|per-core] [--learner-threads N] [--learner-ranks N]
-                            [--no-compile] [--no-learner-compile] [--systems rlfabric trl] [--keep]
+                            [--no-compile] [--stand-in transformers|vllm] [--no-learner-compile]
+                            [--systems rlfabric trl] [--keep]
                             [--quick]
                             [--output-dir bench/results]
 
@@ -132,6 +133,7 @@ def measure(
                     where,
                     engine=engine,
                     compile_=args.compile,
+                    stand_in=args.stand_in,
                     placement=placement(args),
                     timeout_s=args.timeout,
                     compile_cache=work / "compile-cache" if args.compile_cache == "warm" else where / "cache",
@@ -300,7 +302,8 @@ def report(
         f"max {task.max_tokens} completion tokens, lr {task.lr:g}, KL {task.kl_coef:g}, micro-batch "
         f"{task.micro_batch_size}; {'tiny' if args.quick else 'bench (24M)'} model; "
         f"{len(next(iter(results.values())))} repeat(s) per system, interleaved; rlfabric vLLM "
-        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}, "
+        f"{'transformers engine' if args.quick else ('compiled' if args.compile else 'eager')}"
+        f"{f' (stand-in {args.stand_in})' if args.compile and not args.quick else ''}, "
         f"learner blocks {'compiled' if task.learner_compile else 'eager'}, "
         f"learner micro-batches {'packed' if task.learner_packing else 'padded'}, "
         f"{task.dtype}, max_staleness {task.max_staleness} (old_policy {task.old_policy}, rollout "
@@ -394,6 +397,13 @@ def parse_args() -> Any:
         default=True,
         help="rlfabric's train.compile: the learner's norms and MLPs compiled (default; ~20-40 s more "
         "start-up, excluded from the steady figure) or eager",
+    )
+    parser.add_argument(
+        "--stand-in",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="rlfabric's `up --stand-in`: what serves while the compiled replica builds (default "
+        "transformers, prompts batched; vllm: eager vLLM)",
     )
     parser.add_argument(
         "--learner-packing",

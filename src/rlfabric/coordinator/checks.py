@@ -42,6 +42,13 @@ class RewardUnanswered(Exception):
     """The reward service did not answer a check; the message says where and how."""
 
 
+def preload() -> None:
+    """Imports what a submit's model check needs (transformers' auto classes: ~4-5 s on two cores), so
+    that a run submitted right after start-up, as `rlfabric up` does, does not wait for them. Run on a
+    daemon thread at start; a submit meanwhile waits on the import lock, not twice."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+
 async def check_scorer(
     config: CoordinatorServiceConfig, spec: RunSpec, reward: RewardSpec | None = None
 ) -> list[ScorerProblem]:

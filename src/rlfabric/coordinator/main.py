@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.runtime.credentials import Credential, require_credentials
@@ -40,7 +41,7 @@ async def run(config: CoordinatorServiceConfig) -> None:
     import uvicorn
 
     from rlfabric.coordinator.api import create_app
-    from rlfabric.coordinator.checks import SubmitCheck
+    from rlfabric.coordinator.checks import SubmitCheck, preload
     from rlfabric.coordinator.manager import RunManager
 
     redis = config.redis.connect()
@@ -52,6 +53,8 @@ async def run(config: CoordinatorServiceConfig) -> None:
     await manager.resume()
     host, port = sock.getsockname()[:2]
     print(f"rlfabric coordinator listening on http://{host}:{port}", flush=True)
+    if check is not None:
+        threading.Thread(target=preload, name="preload-checks", daemon=True).start()
     try:
         await server.serve(sockets=[sock])
     finally:

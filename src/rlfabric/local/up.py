@@ -64,8 +64,8 @@ STATE_FILE = "up.json"
 """In the run directory: the options and run spec of the `up` that created it, read by `--resume`."""
 SAVED_OPTIONS = (
     "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
-    "learner_ranks", "redis_url", "engine", "compile", "eager_start", "replica_cores", "learner_cores",
-    "lora",
+    "learner_ranks", "redis_url", "engine", "compile", "eager_start", "stand_in", "replica_cores",
+    "learner_cores", "lora",
 )  # fmt: skip
 """The options `--resume` takes over from the first `up` of a run directory."""
 LOCAL_FLEET = "local"
@@ -128,6 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="with --compile: serve from an eager replica while its compiled twin builds, then hand over "
         "(the first steps need not wait for the compile; default on)",
+    )
+    parser.add_argument(
+        "--stand-in",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="the eager replica of --eager-start: transformers (prompts batched, serves in seconds; "
+        "default) or vLLM eager (ready later, generates a little faster). Multi-turn runs and LoRA "
+        "adapters always get vLLM",
     )
     add_placement_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="print one line per step, no bar")

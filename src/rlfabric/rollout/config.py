@@ -56,6 +56,17 @@ class EngineConfig(StrictModel):
     an adapter of a higher rank is refused with FAILED_PRECONDITION. Memory for the adapters' weights is
     reserved at this rank for every slot, so keep it at the runs' rank."""
 
+    batch_prompts: int = Field(default=1, ge=1, le=1024)
+    """transformers engine only: prompts of concurrent requests with the same sampling settings (and no
+    seed) are generated together, left-padded, up to this many per `generate` call; 1 runs prompt after
+    prompt. vLLM batches continuously by itself."""
+
+    @model_validator(mode="after")
+    def _batching_is_transformers(self) -> EngineConfig:
+        if self.batch_prompts > 1 and self.kind != "transformers":
+            raise ValueError(f"batch_prompts: only the transformers engine takes it, not {self.kind!r}")
+        return self
+
     @model_validator(mode="after")
     def _lora_needs_vllm(self) -> EngineConfig:
         if self.max_adapters and self.kind != "vllm":

@@ -95,7 +95,13 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.kind == "transformers":
         from rlfabric.rollout.hf_engine import HfEngine
 
-        return HfEngine(config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed)
+        return HfEngine(
+            config.model,
+            dtype=dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            batch_prompts=config.batch_prompts,
+        )
     from rlfabric.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(
@@ -149,6 +155,7 @@ class Parts:
 
 def assemble(config: RolloutServiceConfig) -> Parts:
     engine = build_engine(config.engine)
+    log.info("engine: %s, %s", engine.kind, config.engine.model)
     limits = Limits(
         max_in_flight=config.max_in_flight,
         max_n=config.max_n,

@@ -38,7 +38,8 @@ BENCH = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=64
 
 
 def build_engine(kind: str, model: str) -> Engine:
-    """The engine under test, sized for the tiny model (float32, eager, small KV cache)."""
+    """The engine under test, sized for the tiny model (float32, eager, small KV cache);
+    "transformers-batched" batches unseeded prompts (the cancel, abort and throughput scenarios)."""
     if kind == "vllm":
         from rlfabric.rollout.vllm_engine import VllmEngine
 
@@ -47,7 +48,8 @@ def build_engine(kind: str, model: str) -> Engine:
         )
     from rlfabric.rollout.hf_engine import HfEngine
 
-    return HfEngine(model, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    batch = 8 if kind == "transformers-batched" else 1
+    return HfEngine(model, dtype="float32", max_model_len=MAX_MODEL_LEN, batch_prompts=batch)
 
 
 async def collect(samples: AsyncIterator[EngineSample], into: list[dict[str, Any]] | None = None):

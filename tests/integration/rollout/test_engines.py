@@ -5,6 +5,7 @@ weight loads, cancel and abort. One engine per kind runs every scenario (`_engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,15 +14,25 @@ from typing import Any
 
 import pytest
 import torch
-from _engine_scenarios import LONG, SAMPLED, TEMPERED, build_engine, run_scenarios
+from _engine_scenarios import (
+    CHAT,
+    LONG,
+    PROMPT_TEXTS,
+    SAMPLED,
+    TEMPERED,
+    build_engine,
+    collect,
+    run_scenarios,
+)
 from safetensors.torch import load_file, save_file
 
 from rlfabric.rollout.engine import SamplingSettings
+from rlfabric.rollout.hf_engine import HfEngine
 from rlfabric.tools.tiny_model import EOS, IM_END, make_tiny_model, special_ids
 
 HELPER = Path(__file__).with_name("_engine_scenarios.py")
 STOP_IDS = (special_ids()[EOS], special_ids()[IM_END])
-KINDS = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
+KINDS = ["transformers", "transformers-batched", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def report(request: pytest.FixtureRequest, tiny_model_dir: Path, weights: dict[s
         env = request.getfixturevalue("vllm_env")
         out = tmp_path_factory.mktemp("vllm-report") / "report.json"
         return run_vllm(tiny_model_dir, weights, env, out)
-    engine = build_engine("transformers", str(tiny_model_dir))
+    engine = build_engine(request.param, str(tiny_model_dir))
     return asyncio.run(run_scenarios(engine, {k: str(v) for k, v in weights.items()}))
 
 
@@ -204,3 +215,54 @@ def test_timings(report: dict[str, Any], record_property: Any) -> None:
     record_property(f"{report['kind']}_tokens_per_s", round(bench["tokens_per_s"]))
     print(f"{report['kind']}: start {report['start_s']:.1f} s, reload {report['reload_s']:.3f} s, {bench}")
     assert bench["tokens"] == 4 * 3 * 4 * 64
+
+
+BATCHED = dataclasses.replace(TEMPERED, seed=None)
+"""TEMPERED unseeded: a batching engine generates such requests together."""
+
+
+def test_concurrent_requests_share_one_batch_and_keep_their_logprobs(tiny_model_dir: Path) -> None:
+    """Three requests at once, prompts of different lengths (left-padded together): one `generate`
+    call, every sample's logprobs those of its own prompt under the tempered, truncated distribution; a
+    seeded request runs by itself."""
+
+    async def scenario() -> tuple[list[list[dict[str, Any]]], int, int]:
+        engine = HfEngine(str(tiny_model_dir), dtype="float32", max_model_len=512, batch_prompts=8)
+        await engine.start()
+        prompts = [engine.tokenize_text(t) for t in PROMPT_TEXTS] + [engine.tokenize_chat(CHAT)]
+        assert len({len(p) for p in prompts}) == 3
+        requests = [collect(engine.generate(f"r{i}", [p], BATCHED)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*requests)
+        batches = engine.batches
+        await collect(engine.generate("seeded", prompts, TEMPERED))
+        return results, batches, engine.batches
+
+    results, batches, after_seeded = asyncio.run(scenario())
+    assert batches == 1 and after_seeded == 1
+    samples = [s for result in results for s in result]
+    assert [len(result) for result in results] == [BATCHED.n] * 3
+    assert {s["prompt_index"] for s in samples} == {0}
+    assert max_logprob_error(samples, tiny_model_dir, BATCHED) <= 1e-4
+
+
+def test_an_abort_in_a_batch_stops_only_its_rows(tiny_model_dir: Path) -> None:
+    """Two requests in one batch; aborting one ends its samples where they stopped (no padding after
+    them: their logprobs still match a forward pass) while the other runs to max_tokens."""
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        engine = HfEngine(str(tiny_model_dir), dtype="float32", max_model_len=512, batch_prompts=8)
+        await engine.start()
+        prompts = [engine.tokenize_text(t) for t in PROMPT_TEXTS[:2]]
+        kept = asyncio.create_task(collect(engine.generate("kept", [prompts[0]], LONG)))
+        cut = asyncio.create_task(collect(engine.generate("cut", [prompts[1]], LONG)))
+        while engine.stats().tokens_generated < 40 * 2 * LONG.n:
+            await asyncio.sleep(0.01)
+        await engine.abort("cut")
+        return await kept, await cut
+
+    kept, cut = asyncio.run(scenario())
+    assert {s["finish_reason"] for s in cut} == {"abort"}
+    assert all(40 <= len(s["token_ids"]) < LONG.max_tokens for s in cut)
+    assert {s["finish_reason"] for s in kept} == {"length"}
+    assert all(len(s["token_ids"]) == LONG.max_tokens for s in kept)
+    assert max_logprob_error(cut + kept, tiny_model_dir, LONG) <= 1e-4
