@@ -445,9 +445,9 @@ class TrainSpec(SpecModel):
     compile: bool = False
     """`torch.compile` the models' element-wise blocks (normalisation layers and MLPs) into fused kernels;
     attention and the matmuls stay eager. On CPU in bfloat16 a learner step of the bench model took
-    9-20 % less time (docs/benchmarks.md); compiling costs ~10-40 s in the first step (less once
-    inductor's on-disk cache holds the kernels). Worth it for long runs; off by default so short runs
-    and tests start at once."""
+    9-20 % less time (docs/benchmarks.md). The first step runs eager; compiling (~10-40 s, less once
+    inductor's on-disk cache holds the kernels) follows it, while the replicas generate the second step.
+    Worth it for long runs; off by default so short runs and tests start at once."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the learner's RNGs."""
 

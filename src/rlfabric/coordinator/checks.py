@@ -45,8 +45,10 @@ class RewardUnanswered(Exception):
 def preload() -> None:
     """Imports what a submit's model check needs (transformers' auto classes: ~4-5 s on two cores), so
     that a run submitted right after start-up, as `rlfabric up` does, does not wait for them. Run on a
-    daemon thread at start; a submit meanwhile waits on the import lock, not twice."""
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+    daemon thread at start, under `HF_LOCK`: a dataset read beside a half-imported transformers fails
+    (`rlfabric.runtime.hf`); a check or read meanwhile waits for the import instead."""
+    with HF_LOCK:
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
 
 async def check_scorer(

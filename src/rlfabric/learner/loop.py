@@ -79,7 +79,7 @@ class TrainingLoop:
     async def run(self) -> None:
         await self.start()
         await self.resume()
-        await asyncio.to_thread(self.warm_up)
+        warmed = False
         while self.trainer.step < self.spec.train.steps:
             deliveries = await self.leader.collect() if self.leader is not None else []
             payloads = share_payloads(encode(deliveries), self.world)
@@ -87,6 +87,9 @@ class TrainingLoop:
                 break
             if payloads:
                 await self.step(deliveries, payloads)
+                if not warmed:  # after the first step (eager) and its publish: compiling overlaps the
+                    await asyncio.to_thread(self.warm_up)  # replicas' generation of the next one
+                    warmed = True
         await self.finish()
 
     # --- set-up ------------------------------------------------------------------------------------

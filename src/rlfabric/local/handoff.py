@@ -5,7 +5,8 @@ twin of it builds, then hands the work over.
 A compiled vLLM replica generates faster on a CPU (1,819 against 1,425 tokens/s eager, measured on two
 cores), but on a cold compile cache it spends 40-70 s compiling before it serves, and the first step of a
 run waited for it (178 s to the first step of the e2e bench, against TRL's 38 s). An eager vLLM replica
-serves after ~28 s on two cores, the transformers stand-in after ~7 s. So for each replica `up` starts both, on the same cores:
+serves after ~28 s on two cores, the transformers stand-in after ~7 s. So for each replica `up` starts
+both, on the same cores:
 
     1. serve      the eager replica (`rollout-i`) takes the run's work as soon as it holds a version
     2. build      its compiled twin (`rollout-i-compiled`) starts once the rest of the stack is up

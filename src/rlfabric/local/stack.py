@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -158,6 +158,14 @@ class Services:
     scaler: LocalScaler | None
     handoffs: list[Handoff]
     """Eager replicas and their compiled twins still building (`rlfabric.local.handoff`)."""
+    starting_learners: list[Starting] = field(default_factory=list)
+    """Learners launched but not yet ready: the run may be submitted meanwhile (the replicas generate the
+    first groups from the base model while the learner imports and loads); `wait_for_learners`."""
+
+    def wait_for_learners(self, stack: Stack) -> None:
+        """Waits for the ready line of every learner still starting (ServiceStartError if one fails)."""
+        while self.starting_learners:
+            stack.wait(self.starting_learners.pop(0))
 
 
 class ReplicaFactory(Protocol):
@@ -219,7 +227,7 @@ def start_online(
     reward_address = stack.wait(reward)
     coordinator = parts.coordinator(reward_address)
     url = stack.start(coordinator, COORDINATOR_READY)
-    for pending in (*learners, *starting):
+    for pending in starting:
         stack.wait(pending)
     supervised = [(reward.proc, REWARD_READY), (coordinator, COORDINATOR_READY)]
     supervised += [(learner.proc, LEARNER_READY) for learner in learners]
@@ -227,7 +235,7 @@ def start_online(
     if parts.environment is not None:
         supervised.append((parts.environment, ENVIRONMENT_READY))
     scaler = LocalScaler(policy, parts.replica, REPLICA_READY, replicas) if policy else None
-    return Services(url, supervised, [learner.proc for learner in learners], scaler, handoffs)
+    return Services(url, supervised, [learner.proc for learner in learners], scaler, handoffs, learners)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@
                  coordinator once the reward service listens (an offline preference run starts only the
                  learner and the coordinator; a `[warm_start]` runs its SFT learner to the end first, and
                  an SFT or reward-model run file only its learner: `local.warm_start`); the run waits for
-                 every ready line. Each process runs under `rlfabric.runtime.guard` on a port chosen here,
-                 so a restart reuses it
-    3. submit    the run to the coordinator's REST API, with the run's API token
+                 every ready line but the learner's. Each process runs under `rlfabric.runtime.guard` on a
+                 port chosen here, so a restart reuses it
+    3. submit    the run to the coordinator's REST API, with the run's API token, while the learner still
+                 loads (the replicas generate the first groups from the base model meanwhile); then wait
+                 for the learner, put every process under the supervisor and start the compiled twins
     4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
                  service that dies is restarted with backoff (`supervisor`), a coordinator that does not
                  answer is waited for
@@ -505,13 +507,13 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
             return 0
         spec = warm_started(stack, options, spec)  # the SFT run first, when the run has a warm start
         services = start_services(stack, options, spec, redis_url, scale_policy(options))
-        supervise(stack, services, supervisor)
         api = Api(services.url, stack.credentials.api if stack.credentials else "")
-        try:
+        try:  # before the learner is ready: the replicas generate the first groups while it loads
             announce(api, spec, chosen.run_dir, submit=action == "submit")
         except RunRefused as exc:
             print(f"rlfabric up: {exc}", file=sys.stderr)
             return 2
+        supervise(stack, services, supervisor)
         status = watch(api, spec.name, spec.train.steps, progress=not options.no_progress,
                        supervisor=supervisor, scaler=services.scaler)  # fmt: skip
     finally:
@@ -522,8 +524,10 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
 
 
 def supervise(stack: Stack, services: Services, supervisor: Supervisor) -> None:
-    """Puts Redis (unless --redis-url) and every service under the supervisor; a learner that exits 0 has
-    finished and is not restarted."""
+    """Waits for the learners still starting, then puts Redis (unless --redis-url) and every service under
+    the supervisor (a learner that exits 0 has finished and is not restarted) and starts the compiled
+    twins."""
+    services.wait_for_learners(stack)
     redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]
     for proc, ready in redis + services.supervised:
         learner = any(proc is learner for learner in services.learners)
