@@ -364,8 +364,12 @@ def coordinator_process(
     roots: list[str] | None = None,
 ) -> ServiceProcess:
     """The coordinator: datasets and models confined to `roots` (default: the run's `allowed_roots`);
-    `reward_address` None when the run scores nothing (offline)."""
+    `reward_address` None when the run scores nothing (offline). It does not check the runs submitted to
+    it (`checks.on_submit`): `up` checked each of them before starting anything (`check_run`, the scorer
+    built in-process), and the same check again at submit costs the first step ~5 s of importing
+    transformers while the other services start on the same cores."""
     argv = cli("serve", "coordinator", "--port", str(free_port()), "--set", f"redis.url={redis_url}")
+    argv += ["--set", "checks.on_submit=false"]
     if reward_address is not None:
         argv += ["--set", f"reward_address={reward_address}"]
     allowed = json.dumps(allowed_roots(args, stack.run_dir, spec) if roots is None else roots)

@@ -11,7 +11,8 @@
                  an SFT or reward-model run file only its learner: `local.warm_start`); the run waits for
                  every ready line but the learner's. Each process runs under `rlfabric.runtime.guard` on a
                  port chosen here, so a restart reuses it
-    3. submit    the run to the coordinator's REST API, with the run's API token, while the learner still
+    3. submit    the run to the coordinator's REST API (which does not check it again: step 1 did), with
+                 the run's API token, while the learner still
                  loads (the replicas generate the first groups from the base model meanwhile); then wait
                  for the learner, put every process under the supervisor and start the compiled twins
     4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
