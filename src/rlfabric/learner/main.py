@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import NoReturn
 
 from rlfabric.learner.config import LearnerServiceConfig
-from rlfabric.learner.dist import destroy_distributed, init_distributed, leave_together
+from rlfabric.learner.dist import destroy_distributed, exit_rank, init_distributed, leave_together
 from rlfabric.learner.loop import TrainingLoop
 from rlfabric.learner.tracking import require_trackers
 from rlfabric.learner.trainer import Trainer
@@ -24,13 +25,14 @@ from rlfabric.runtime.telemetry import setup_tracing
 log = logging.getLogger(__name__)
 
 
-def serve(config: LearnerServiceConfig) -> int:
-    """Run this rank of the learner to the end of the run; returns the exit code."""
+def serve(config: LearnerServiceConfig) -> NoReturn:
+    """Run this rank of the learner to the end of the run, then end the process with 0 (`exit_rank`); a
+    failure raises."""
     require_trackers(config.run.tracking)  # a missing tracker package fails before any model loads
     if config.run.mode in ("offline_preference", "sft", "reward_model"):
         from rlfabric.learner.offline import serve_offline
 
-        return serve_offline(config)
+        serve_offline(config)
     setup_logging("learner", config.log.level, config.log.format)
     require_credentials("learner", [Credential("token", config.token)], insecure=config.insecure)
     setup_tracing("rlfabric-learner")
@@ -44,4 +46,4 @@ def serve(config: LearnerServiceConfig) -> int:
     finally:
         destroy_distributed()
     log.info("learner exited", extra={"pid": os.getpid()})
-    return 0
+    exit_rank(0)

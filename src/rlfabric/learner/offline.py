@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic
+from typing import Any, Generic, NoReturn
 
 import torch
 
@@ -65,6 +65,7 @@ from rlfabric.learner.dist import (
     World,
     all_reduce_max,
     destroy_distributed,
+    exit_rank,
     init_distributed,
     leave_together,
 )
@@ -430,10 +431,11 @@ def run_until_stopped(offline: OfflineRun[ItemT], order: Sequence[ItemT]) -> int
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve_offline(config: LearnerServiceConfig) -> int:
+def serve_offline(config: LearnerServiceConfig) -> NoReturn:
     """`rlfabric serve learner` when `run.mode` is "offline_preference", "sft" (`sft_run.run_sft`) or
-    "reward_model" (`reward_model_run.run_reward_model`): returns the exit code. Prints `READY_LINE`
-    first (`rlfabric up` waits for it: this learner serves no status API)."""
+    "reward_model" (`reward_model_run.run_reward_model`): ends the process, with 0 once the run is done
+    (`exit_rank`); a failure raises. Prints `READY_LINE` first (`rlfabric up` waits for it: this learner
+    serves no status API)."""
     setup_logging("learner", config.log.level, config.log.format)
     print(f"{READY_LINE} for run {config.run_id}", flush=True)
     try:
@@ -451,4 +453,4 @@ def serve_offline(config: LearnerServiceConfig) -> int:
     finally:
         destroy_distributed()
     log.info("offline learner exited", extra={"pid": os.getpid()})
-    return 0
+    exit_rank(0)
