@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlfabric.learner.batch import GroupSamples, Rollout
-from rlfabric.learner.dist import destroy_distributed, init_distributed, leave_together
+from rlfabric.learner.dist import destroy_distributed, exit_rank, init_distributed, leave_together
 from rlfabric.learner.trainer import Trainer
 from rlfabric.runspec import RunSpec
 
@@ -106,3 +106,4 @@ def main(model_dir: str, out_dir: str, advantage: str = "grpo") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    exit_rank(0)  # as the learner's ranks end (no interpreter teardown)
