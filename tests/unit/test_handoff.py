@@ -84,3 +84,42 @@ def test_nothing_is_handed_over_once_supervision_closed(tmp_path: Path) -> None:
     finally:
         for proc in (twin, eager):
             proc.stop(grace_s=5)
+
+
+def test_the_twin_launches_only_once_after_says_so(tmp_path: Path) -> None:
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", SERVE)
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=lambda _: None)
+    supervisor.watch(eager, "ready")
+    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    go = False
+    try:
+        handoff.begin(supervisor, None, lambda: go)
+        time.sleep(1.5)  # three polls
+        assert twin.proc is None and handoff.outcome is None
+        go = True
+        until(lambda: handoff.outcome is not None and not eager.running())
+        assert [w.proc for w in supervisor.watched] == [twin] and twin.running()
+    finally:
+        supervisor.close()
+        for proc in (twin, eager):
+            proc.stop(grace_s=5)
+
+
+def test_a_twin_waiting_to_launch_never_does_once_supervision_closed(tmp_path: Path) -> None:
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", SERVE)
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=lambda _: None)
+    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    go = False
+    try:
+        handoff.begin(supervisor, None, lambda: go)
+        supervisor.close()  # the run ended before its first step
+        go = True
+        time.sleep(1.5)
+        assert twin.proc is None and handoff.outcome is None
+    finally:
+        for proc in (twin, eager):
+            proc.stop(grace_s=5)

@@ -9,8 +9,10 @@ serves after ~28 s on two cores, the transformers stand-in after ~7 s. So for ea
 both, on the same cores:
 
     1. serve      the eager replica (`rollout-i`) takes the run's work as soon as it holds a version
-    2. build      its compiled twin (`rollout-i-compiled`) starts once the rest of the stack is up
-                  (its compiling would slow their start); once ready it
+    2. build      its compiled twin (`rollout-i-compiled`) starts once the run has trained its first
+                  step (a fleet's: once the rest of the stack is up): its compiling would slow the
+                  other services' start and the first generation on a small machine (first step of
+                  the e2e bench 31-34 s with the twin started beside them, 26 s after); once ready it
                   loads the run's published version and registers, taking work beside the eager one
     3. hand over  the supervisor watches the twin instead, the local scaler counts it instead, and the
                   eager replica gets SIGTERM: it admits nothing new, finishes what it admitted and
@@ -29,6 +31,8 @@ from rlfabric.local.procs import ServiceProcess, ServiceStartError
 from rlfabric.local.scaler import LocalScaler
 from rlfabric.local.supervisor import Supervisor
 
+AFTER_POLL_S = 0.5
+"""How often `Handoff.begin` asks whether to launch the twin yet."""
 TWIN_SUFFIX = "-compiled"
 """The compiled twin of replica `rollout-i` is `rollout-i-compiled` (its process and replica id)."""
 
@@ -47,15 +51,22 @@ class Handoff:
     """What happened, for the summary: None while the twin builds."""
     _thread: threading.Thread | None = field(default=None, repr=False)
 
-    def begin(self, supervisor: Supervisor, scaler: LocalScaler | None) -> None:
-        """Launches the twin (once the rest of the stack is up, so its compiling does not slow their
-        start) and hands over in the background when it is ready."""
-        self.twin.launch()
-        self.say(f"  starting {self.twin.name} (compiled; {self.eager.name} serves meanwhile) ...")
-        self._thread = threading.Thread(target=self._run, args=(supervisor, scaler), daemon=True)
+    def begin(
+        self, supervisor: Supervisor, scaler: LocalScaler | None, after: Callable[[], bool] | None = None
+    ) -> None:
+        """In the background: launches the twin once `after()` is true (polled every `AFTER_POLL_S`; at
+        once without it), then hands over when the twin is ready."""
+        self._thread = threading.Thread(target=self._run, args=(supervisor, scaler, after), daemon=True)
         self._thread.start()
 
-    def _run(self, supervisor: Supervisor, scaler: LocalScaler | None) -> None:
+    def _run(
+        self, supervisor: Supervisor, scaler: LocalScaler | None, after: Callable[[], bool] | None
+    ) -> None:
+        while after is not None and not supervisor.closed and not after():
+            time.sleep(AFTER_POLL_S)
+        if not supervisor.launch(self.twin):
+            return
+        self.say(f"  starting {self.twin.name} (compiled; {self.eager.name} serves meanwhile) ...")
         started = self.twin.launched_at
         try:
             self.twin.wait_for(

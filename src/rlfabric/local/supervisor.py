@@ -159,6 +159,15 @@ class Supervisor:
         took = time.monotonic() - entry.proc.launched_at
         self.say(f"supervise: {entry.proc.name} is back (pid {entry.proc.service_pid}, {took:.0f} s)")
 
+    def launch(self, proc: ServiceProcess) -> bool:
+        """Launches `proc` unless supervision has ended (then the stack is being stopped, and a process
+        launched now could outlive it); returns whether it launched."""
+        with self._lock:
+            if self._closing.is_set():
+                return False
+            proc.launch()
+            return True
+
     def close(self) -> None:
         """Ends supervision: no restart is scheduled or launched after this returns."""
         with self._lock:

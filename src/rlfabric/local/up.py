@@ -14,7 +14,8 @@
     3. submit    the run to the coordinator's REST API (which does not check it again: step 1 did), with
                  the run's API token, while the learner still
                  loads (the replicas generate the first groups from the base model meanwhile); then wait
-                 for the learner, put every process under the supervisor and start the compiled twins
+                 for the learner, put every process under the supervisor and, once the run's first step
+                 is trained, start the compiled twins
     4. watch     a progress bar (step, reward, KL, tokens/s) until the run ends or Ctrl-C stops it; a
                  service that dies is restarted with backoff (`supervisor`), a coordinator that does not
                  answer is waited for
@@ -45,6 +46,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -514,7 +516,7 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         except RunRefused as exc:
             print(f"rlfabric up: {exc}", file=sys.stderr)
             return 2
-        supervise(stack, services, supervisor)
+        supervise(stack, services, supervisor, first_step_done(api.url, api.token, spec.name))
         status = watch(api, spec.name, spec.train.steps, progress=not options.no_progress,
                        supervisor=supervisor, scaler=services.scaler)  # fmt: skip
     finally:
@@ -524,10 +526,31 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
     return 0 if status.get("state") == RunState.COMPLETED else 1
 
 
-def supervise(stack: Stack, services: Services, supervisor: Supervisor) -> None:
+def first_step_done(url: str, token: str, run_id: str) -> Callable[[], bool]:
+    """Whether the run has trained its first step (asked of the coordinator; false while it does not
+    answer): the compiled twins start then, not beside the first generation and the learner's load, which
+    they slowed on a small machine."""
+    import httpx
+
+    from rlfabric.local.watch import Api
+
+    api = Api(url, token, timeout_s=5.0)
+
+    def done() -> bool:
+        try:
+            return int(api.status(run_id).get("step") or 0) >= 1
+        except (httpx.HTTPError, ValueError):  # a coordinator restarting is asked again
+            return False
+
+    return done
+
+
+def supervise(
+    stack: Stack, services: Services, supervisor: Supervisor, twins_after: Callable[[], bool] | None = None
+) -> None:
     """Waits for the learners still starting, then puts Redis (unless --redis-url) and every service under
     the supervisor (a learner that exits 0 has finished and is not restarted) and starts the compiled
-    twins."""
+    twins once `twins_after()` is true (at once without it)."""
     services.wait_for_learners(stack)
     redis = [(proc, REDIS_READY) for proc in stack.procs if proc.name == "redis"]
     for proc, ready in redis + services.supervised:
@@ -536,7 +559,7 @@ def supervise(stack: Stack, services: Services, supervisor: Supervisor) -> None:
     if services.scaler is not None:
         services.scaler.supervisor = supervisor
     for handoff in services.handoffs:
-        handoff.begin(supervisor, services.scaler)
+        handoff.begin(supervisor, services.scaler, twins_after)
 
 
 def bring_up_fleet(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
