@@ -29,15 +29,25 @@ def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
 SERVE = "import time; print('ready', flush=True); time.sleep(120)"
 
 
+def eager_and_twin(
+    tmp_path: Path, twin_code: str, say: Callable[[str], None] = lambda _: None, *, watched: bool = True
+) -> tuple[ServiceProcess, ServiceProcess, Supervisor, Handoff]:
+    """A started eager replica (supervised unless not `watched`), its twin running `twin_code` (not
+    launched) and their handoff."""
+    eager = process(tmp_path, "rollout-0", SERVE)
+    twin = process(tmp_path, "rollout-0-compiled", twin_code)
+    eager.start("ready", timeout_s=30)
+    supervisor = Supervisor(Backoff(), say=say)
+    if watched:
+        supervisor.watch(eager, "ready")
+    return eager, twin, supervisor, Handoff(eager, twin, "ready", say=say)
+
+
 def test_a_ready_twin_takes_the_eager_replicas_place(tmp_path: Path) -> None:
     said: list[str] = []
-    eager = process(tmp_path, "rollout-0", SERVE)
-    twin = process(tmp_path, "rollout-0-compiled", f"import time; time.sleep(0.5); {SERVE.split('; ', 1)[1]}")
-    eager.start("ready", timeout_s=30)
-    supervisor = Supervisor(Backoff(), say=said.append)
-    supervisor.watch(eager, "ready")
+    slow = f"import time; time.sleep(0.5); {SERVE.split('; ', 1)[1]}"
+    eager, twin, supervisor, handoff = eager_and_twin(tmp_path, slow, said.append)
     scaler = LocalScaler(ScalePolicy(1, 2), lambda i: eager, "ready", [eager])
-    handoff = Handoff(eager, twin, "ready", say=said.append)
     try:
         handoff.begin(supervisor, scaler)
         until(lambda: handoff.outcome is not None and not eager.running())
@@ -53,12 +63,7 @@ def test_a_ready_twin_takes_the_eager_replicas_place(tmp_path: Path) -> None:
 
 def test_a_twin_that_does_not_start_leaves_the_eager_replica_serving(tmp_path: Path) -> None:
     said: list[str] = []
-    eager = process(tmp_path, "rollout-0", SERVE)
-    twin = process(tmp_path, "rollout-0-compiled", "import sys; sys.exit(3)")
-    eager.start("ready", timeout_s=30)
-    supervisor = Supervisor(Backoff(), say=said.append)
-    supervisor.watch(eager, "ready")
-    handoff = Handoff(eager, twin, "ready", say=said.append)
+    eager, _twin, supervisor, handoff = eager_and_twin(tmp_path, "import sys; sys.exit(3)", said.append)
     try:
         handoff.begin(supervisor, None)
         until(lambda: handoff.outcome is not None)
@@ -70,12 +75,8 @@ def test_a_twin_that_does_not_start_leaves_the_eager_replica_serving(tmp_path: P
 
 
 def test_nothing_is_handed_over_once_supervision_closed(tmp_path: Path) -> None:
-    eager = process(tmp_path, "rollout-0", SERVE)
-    twin = process(tmp_path, "rollout-0-compiled", f"import time; time.sleep(1); {SERVE.split('; ', 1)[1]}")
-    eager.start("ready", timeout_s=30)
-    supervisor = Supervisor(Backoff(), say=lambda _: None)
-    supervisor.watch(eager, "ready")
-    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    slow = f"import time; time.sleep(1); {SERVE.split('; ', 1)[1]}"
+    eager, twin, supervisor, handoff = eager_and_twin(tmp_path, slow)
     try:
         handoff.begin(supervisor, None)
         supervisor.close()  # the run ended while the twin built
@@ -87,12 +88,7 @@ def test_nothing_is_handed_over_once_supervision_closed(tmp_path: Path) -> None:
 
 
 def test_the_twin_launches_only_once_after_says_so(tmp_path: Path) -> None:
-    eager = process(tmp_path, "rollout-0", SERVE)
-    twin = process(tmp_path, "rollout-0-compiled", SERVE)
-    eager.start("ready", timeout_s=30)
-    supervisor = Supervisor(Backoff(), say=lambda _: None)
-    supervisor.watch(eager, "ready")
-    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    eager, twin, supervisor, handoff = eager_and_twin(tmp_path, SERVE)
     go = False
     try:
         handoff.begin(supervisor, None, lambda: go)
@@ -108,11 +104,7 @@ def test_the_twin_launches_only_once_after_says_so(tmp_path: Path) -> None:
 
 
 def test_a_twin_waiting_to_launch_never_does_once_supervision_closed(tmp_path: Path) -> None:
-    eager = process(tmp_path, "rollout-0", SERVE)
-    twin = process(tmp_path, "rollout-0-compiled", SERVE)
-    eager.start("ready", timeout_s=30)
-    supervisor = Supervisor(Backoff(), say=lambda _: None)
-    handoff = Handoff(eager, twin, "ready", say=lambda _: None)
+    eager, twin, supervisor, handoff = eager_and_twin(tmp_path, SERVE, watched=False)
     go = False
     try:
         handoff.begin(supervisor, None, lambda: go)
