@@ -57,6 +57,9 @@ class Task:
     rollout_correction: str = "truncate"
     """rlfabric's `algorithm.rollout_correction` (with old_policy "trainer"): TIS's truncation, or the
     IcePop/MIS masks (`mask_token`, `mask_sequence`) that drop tokens or samples too far off-policy."""
+    rollout_trust_kl: float | None = None
+    """rlfabric's `algorithm.rollout_trust_kl`: a step on samples further than this (KL per token, engine
+    to trainer) from the current policy has its learning rate scaled down by the ratio (async runs)."""
     learner_compile: bool = False
     """rlfabric's `train.compile`: the learner's normalisation layers and MLPs compiled into fused kernels
     (attention and matmuls eager). TRL's own `torch_compile` compiles the whole model for training only
@@ -127,6 +130,7 @@ def rlfabric_spec(task: Task, name: str) -> dict[str, Any]:
             "kl": {"coef": task.kl_coef, "estimator": "k3"},
             "old_policy": task.old_policy,
             "rollout_correction": task.rollout_correction,
+            "rollout_trust_kl": task.rollout_trust_kl,
         },
         "optim": {"lr": task.lr, "schedule": "constant", "grad_clip": 1.0},
         "train": {
@@ -283,6 +287,8 @@ def rlfabric_step(row: dict[str, Any]) -> dict[str, Any]:
         "train_s": float(row["step_seconds"]),
         "publish_s": float(row.get("publish_seconds", 0.0)),
         "busy_fraction_run": float(row.get("rollout_busy_fraction_run", float("nan"))),
+        "rollout_mismatch_kl": float(row.get("rollout_mismatch_kl", float("nan"))),
+        "lr_scale": float(row.get("lr_scale", 1.0)),
     }
 
 

@@ -107,14 +107,14 @@ def prepare(work: Path, args: Any) -> Task:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
                     lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
                     max_staleness=args.max_staleness, old_policy=args.old_policy,
-                    rollout_correction=args.rollout_correction,
+                    rollout_correction=args.rollout_correction, rollout_trust_kl=args.rollout_trust_kl,
                     learner_compile=args.learner_compile,
                     learner_packing=args.learner_packing)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
                 prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
                 kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
                 max_staleness=args.max_staleness, old_policy=args.old_policy,
-                rollout_correction=args.rollout_correction,
+                rollout_correction=args.rollout_correction, rollout_trust_kl=args.rollout_trust_kl,
                 learner_compile=args.learner_compile, learner_packing=args.learner_packing)  # fmt: skip
 
 
@@ -322,7 +322,8 @@ def report(
         f"learner blocks {'compiled' if task.learner_compile else 'eager'}, "
         f"learner micro-batches {'packed' if task.learner_packing else 'padded'}, "
         f"{task.dtype}, max_staleness {task.max_staleness} (old_policy {task.old_policy}, rollout "
-        f"correction {task.rollout_correction}), placement {where.name} (vLLM on cores "
+        f"correction {task.rollout_correction}, trust KL {task.rollout_trust_kl or 'off'}), "
+        f"placement {where.name} (vLLM on cores "
         f"{where.vllm_cores}, learner torch threads {where.learner_threads or 1}); TRL {task.dtype}.",
         "",
         markdown_table(HEADERS, table_rows(results)),
@@ -341,11 +342,29 @@ def report(
         *split_lines(results),
         *startup_lines(results, args),
         "",
+        "Reward by step (each repeat; rlfabric's learner LR scale by its trust region where below 1):",
+        "",
+        *reward_lines(results),
+        "",
         f"Machine: {machine_line(machine)}; load at the end {machine_info()['load_avg_1m']:.2f}.",
         "",
         f"Command: `{' '.join(['python bench/e2e_trl.py', *sys.argv[1:]])}`.",
     ]
     return "\n".join(lines)
+
+
+def reward_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One line per system and repeat: the mean reward of each step's samples, so a dip or a collapse
+    shows, and where rlfabric's trust region scaled a step's LR (`algorithm.rollout_trust_kl`), by how
+    much."""
+    lines = []
+    for system, runs in results.items():
+        for i, run in enumerate(runs, 1):
+            rewards = " ".join(f"{step['reward']:.2f}" for step in run["steps"])
+            scales = [step.get("lr_scale", 1.0) for step in run["steps"]]
+            scaled = "" if min(scales) >= 1.0 else f" (LR scale {' '.join(f'{x:.2f}' for x in scales)})"
+            lines.append(f"- {system} #{i}: {rewards}{scaled}")
+    return lines
 
 
 def plot(results: dict[str, list[dict[str, Any]]], output_dir: Path, task: Task) -> None:
@@ -401,6 +420,14 @@ def parse_args() -> Any:
         default="truncate",
         help="rlfabric's algorithm.rollout_correction with --old-policy trainer: TIS (default) or the "
         "IcePop/MIS masks that drop tokens or samples whose engine/trainer ratio leaves [0.5, 2]",
+    )
+    parser.add_argument(
+        "--rollout-trust-kl",
+        type=float,
+        default=None,
+        help="rlfabric's algorithm.rollout_trust_kl: a step whose samples are further than this (KL per "
+        "token, engine to trainer) from the current policy takes a learning rate scaled down by the ratio "
+        "(for --max-staleness 1; default off)",
     )
     parser.add_argument(
         "--compile",

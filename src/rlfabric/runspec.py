@@ -346,6 +346,15 @@ class AlgorithmSpec(SpecModel):
     tokens the policy has moved away from."""
     rollout_mask_low: float = Field(default=0.5, gt=0.0, lt=1.0)
     """Lower bound of the weight the `mask_*` corrections keep."""
+    rollout_trust_kl: float | None = Field(default=None, gt=0.0)
+    """A trust region on stale samples (asynchronous runs): when the step's KL between the engine's
+    sampling policy and the trainer's (`rollout_mismatch_kl`, nats per token, averaged over the step)
+    exceeds this, the policy's learning rate for that step, and the weight its gradient gets in Adam's
+    moments, are scaled by `rollout_trust_kl / rollout_mismatch_kl` (reported as `lr_scale`). Per-token
+    corrections reweight the gradient, but Adam normalises its size, so a step on samples from a policy
+    far from the current one still moves the weights by about the full learning rate, and its momentum
+    carries the stale direction into the next steps; this bounds both. On-policy the mismatch is ~1e-5
+    and the step is untouched. None (default) disables it."""
     old_policy: Literal["trainer", "rollout"] = "trainer"
     """The policy the PPO ratio is taken against. `trainer`: the learner's own log-probs before the
     step (a ratio of 1 with one epoch), and TIS corrects for the engine's samples. `rollout`: the

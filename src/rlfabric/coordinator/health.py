@@ -235,7 +235,7 @@ def check_rollout_mismatch(rows: Sequence[Row], t: HealthThresholds) -> HealthWa
         message = (
             f"rollout mismatch: engine and trainer disagree by {now:.3g} nats/token of KL (above "
             f"{t.mismatch_kl_max:g}); samples may be too stale for the learning rate (max_staleness, "
-            "algorithm.rollout_correction)"
+            "algorithm.rollout_correction, algorithm.rollout_trust_kl)"
         )
         return HealthWarning("rollout_mismatch", message, since)
     drifted = len(mismatch) >= 2 * t.window and now >= t.mismatch_floor

@@ -193,15 +193,34 @@ def build_optimizer(model: nn.Module, spec: RunSpec, lr: float | None = None) ->
 
 
 def clip_and_step(
-    model: nn.Module, optimizer: Optimizer, scheduler: LRScheduler, clip: float | None
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+    clip: float | None,
+    lr_scale: float = 1.0,
 ) -> tuple[float, float]:
-    """Clip `model`'s global grad norm, step `optimizer` and `scheduler`; returns (grad_norm, lr used)."""
+    """Clip `model`'s global grad norm, step `optimizer`, step `scheduler`; returns (grad_norm, lr used).
+
+    With `lr_scale` < 1 (a step on stale samples, `algorithm.rollout_trust_kl`) the step runs at that
+    fraction of the scheduled LR and its (clipped) gradient enters Adam's moments at that weight too:
+    scaling the LR alone would leave the whole stale gradient in the momentum, which the next full-LR
+    steps would then apply (early in a run Adam's bias-corrected momentum weighs the last few gradients
+    almost equally). The schedule itself is untouched."""
+    if not 0.0 <= lr_scale <= 1.0:
+        raise ValueError(f"lr_scale must be in [0, 1], got {lr_scale}")
     reshard(model)  # the step updates the master weights; the next forward casts them afresh
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip is not None else math.inf)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    lr = float(scheduler.get_last_lr()[0])
+    if lr_scale < 1.0:  # the step's gradient enters the optimizer's moments at the same weight
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], lr_scale)
+    scheduled = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
+        group["lr"] = lr * lr_scale
+    used = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
+    for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
+        group["lr"] = lr  # the scheduler's next value is computed from its base LR, this restores the rest
     scheduler.step()
-    return float(norm), lr
+    return float(norm), used

@@ -196,9 +196,8 @@ class Trainer(TrainerBase[GroupSamples]):
         plan = self.plan(groups)
         for _ in range(self.spec.algorithm.ppo_epochs):
             self._zero_grad()
-            sums = self._accumulate(plan)
-            steps = self._optimizer_step()
-        metrics = self._finish_metrics(plan, sums)
+            metrics = self._finish_metrics(plan, self._accumulate(plan))
+            steps = self._optimizer_step(self._lr_scale(metrics))
         metrics.update(steps)
         self.kl.update(metrics.get("kl", 0.0), int(metrics["samples"]))
         return metrics
@@ -490,12 +489,22 @@ class Trainer(TrainerBase[GroupSamples]):
         if self.critic is not None:
             self.critic.optimizer.zero_grad(set_to_none=True)
 
-    def _optimizer_step(self) -> dict[str, float]:
-        """Step the policy (and the critic), each with its own grad-norm clip; returns the grad norms and
-        LRs used."""
+    def _lr_scale(self, metrics: dict[str, float]) -> float:
+        """The policy's LR factor for this step: `rollout_trust_kl / rollout_mismatch_kl` when the step's
+        samples came from a policy further than `algorithm.rollout_trust_kl` from the trainer's, else 1.
+        `metrics` are the step's global ones, so every rank takes the same step."""
+        trust = self.spec.algorithm.rollout_trust_kl
+        mismatch = metrics.get("rollout_mismatch_kl", 0.0)
+        if trust is None or not mismatch > trust:
+            return 1.0
+        return trust / mismatch
+
+    def _optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        """Step the policy at `lr_scale` times its scheduled LR (and the critic at its own), each with its
+        own grad-norm clip; returns the grad norms, the LRs used and the scale."""
         clip = self.spec.optim.grad_clip
-        grad_norm, lr = clip_and_step(self.model, self.optimizer, self.scheduler, clip)
-        out = {"grad_norm": grad_norm, "lr": lr}
+        grad_norm, lr = clip_and_step(self.model, self.optimizer, self.scheduler, clip, lr_scale)
+        out = {"grad_norm": grad_norm, "lr": lr, "lr_scale": lr_scale}
         if self.critic is not None:
             critic = self.critic
             out["critic_grad_norm"], out["critic_lr"] = clip_and_step(

@@ -80,3 +80,10 @@ def test_masks_need_an_upper_bound_above_one() -> None:
     with pytest.raises(ValueError, match=r"algorithm\.tis_cap must be > 1"):
         AlgorithmSpec(rollout_correction="mask_sequence", tis_cap=0.9)
     assert AlgorithmSpec(rollout_correction="mask_token").rollout_mask_low == 0.5
+
+
+def test_rollout_trust_kl_must_be_positive() -> None:
+    assert AlgorithmSpec(rollout_trust_kl=0.05).rollout_trust_kl == 0.05
+    assert AlgorithmSpec().rollout_trust_kl is None
+    with pytest.raises(ValueError, match="rollout_trust_kl"):
+        AlgorithmSpec(rollout_trust_kl=0.0)

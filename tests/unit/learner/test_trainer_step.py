@@ -476,3 +476,63 @@ def test_reinforce_pp_baseline_chosen_in_the_run_spec_trains(tiny_model_dir: Pat
         trainer.train_step([group])
     after = trainer.sequence_logprobs([group])
     assert (after[0] - after[1]) - (before[0] - before[1]) > 1.0
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().full_tensor().clone() for name, p in trainer.model.named_parameters()}
+
+
+def test_rollout_trust_kl_scales_a_stale_step_and_leaves_an_on_policy_one_alone(
+    tiny_model_dir: Path, world: World
+) -> None:
+    """`algorithm.rollout_trust_kl`: engine log-probs one nat below the trainer's on every token (k3
+    mismatch e - 2) make the step move the weights by `trust / mismatch` of the move without the trust
+    region (a first AdamW step is about `lr * sign(grad)`; the gradient is scaled too, so weights whose
+    gradient then nears Adam's eps move a little less), the stale gradient enters Adam's first moment at
+    that weight, and the next step's scheduled LR is unchanged; engine log-probs equal to the trainer's
+    take exactly the step without the trust region."""
+    groups = random_groups(5)
+    own = _own_logprobs(tiny_model_dir, groups)
+    lagged = _with_logprobs(groups, [[[lp - 1.0 for lp in row] for row in rows] for rows in own])
+    trust = 0.05
+
+    def step(
+        groups_: list[GroupSamples], trust_kl: float | None
+    ) -> tuple[dict[str, torch.Tensor], Trainer, dict[str, float]]:
+        algorithm = {"kl": {"coef": 0.0}, "tis_cap": None, "rollout_trust_kl": trust_kl}
+        trainer = Trainer(
+            make_spec(tiny_model_dir, algorithm=algorithm), tiny_model_dir, device=CPU, world=world
+        )
+        before = _weights(trainer)
+        metrics = trainer.train_step(groups_)
+        return {n: w - before[n] for n, w in _weights(trainer).items()}, trainer, metrics
+
+    def first_moment(trainer: Trainer) -> torch.Tensor:
+        return torch.cat(
+            [
+                trainer.optimizer.state[p]["exp_avg"].full_tensor().flatten()
+                for p in trainer.model.parameters()
+            ]
+        )
+
+    plain, plain_trainer, _ = step(lagged, None)
+    scaled, trainer, metrics = step(lagged, trust)
+    scale = metrics["lr_scale"]
+    assert metrics["rollout_mismatch_kl"] == pytest.approx(math.e - 2, rel=1e-3)
+    assert scale == pytest.approx(trust / metrics["rollout_mismatch_kl"])
+    assert metrics["lr"] == pytest.approx(5e-3 * scale)
+    all_plain = torch.cat([d.flatten() for d in plain.values()])
+    all_scaled = torch.cat([scaled[n].flatten() for n in plain])
+    assert all_plain.abs().max() > 1e-4
+    assert bool((all_scaled.abs() <= all_plain.abs() * scale * (1 + 1e-3) + 1e-9).all())
+    assert all_scaled.norm().item() == pytest.approx(scale * all_plain.norm().item(), rel=0.05)
+    torch.testing.assert_close(
+        first_moment(trainer), first_moment(plain_trainer) * scale, atol=1e-9, rtol=1e-4
+    )
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)  # the next step's LR
+
+    on_policy, _, metrics = step(_with_logprobs(groups, own), trust)
+    assert metrics["lr_scale"] == 1.0 and metrics["rollout_mismatch_kl"] < 1e-4
+    unscaled, _, _ = step(_with_logprobs(groups, own), None)
+    for name, delta in unscaled.items():
+        torch.testing.assert_close(on_policy[name], delta, atol=0, rtol=0, msg=name)
