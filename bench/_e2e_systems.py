@@ -59,7 +59,8 @@ class Task:
     IcePop/MIS masks (`mask_token`, `mask_sequence`) that drop tokens or samples too far off-policy."""
     rollout_trust_kl: float | None = None
     """rlfabric's `algorithm.rollout_trust_kl`: a step on samples further than this (KL per token, engine
-    to trainer) from the current policy has its learning rate scaled down by the ratio (async runs)."""
+    to trainer) from the current policy has its learning rate and its gradient's weight in Adam's moments
+    scaled down by the ratio (async runs)."""
     learner_compile: bool = False
     """rlfabric's `train.compile`: the learner's normalisation layers and MLPs compiled into fused kernels
     (attention and matmuls eager). TRL's own `torch_compile` compiles the whole model for training only

@@ -103,19 +103,16 @@ def prepare(work: Path, args: Any) -> Task:
     model = save_tiny_model(PRESETS[preset], work / f"model-{preset}")
     prompts = work / "prompts.jsonl"
     write_dataset(prompts)
+    knobs = dict(lr=args.lr, kl_coef=args.kl_coef, dtype=args.dtype, max_staleness=args.max_staleness,
+                 old_policy=args.old_policy, rollout_correction=args.rollout_correction,
+                 rollout_trust_kl=args.rollout_trust_kl, learner_compile=args.learner_compile,
+                 learner_packing=args.learner_packing)  # fmt: skip
     if args.quick:
         return Task(str(model), str(prompts), steps=2, group_size=4, prompts_per_step=2, max_tokens=16,
-                    lr=args.lr, kl_coef=args.kl_coef, micro_batch_size=8, dtype=args.dtype,
-                    max_staleness=args.max_staleness, old_policy=args.old_policy,
-                    rollout_correction=args.rollout_correction, rollout_trust_kl=args.rollout_trust_kl,
-                    learner_compile=args.learner_compile,
-                    learner_packing=args.learner_packing)  # fmt: skip
+                    micro_batch_size=8, **knobs)  # fmt: skip
     return Task(str(model), str(prompts), steps=args.steps, group_size=args.group_size,
-                prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens, lr=args.lr,
-                kl_coef=args.kl_coef, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-                max_staleness=args.max_staleness, old_policy=args.old_policy,
-                rollout_correction=args.rollout_correction, rollout_trust_kl=args.rollout_trust_kl,
-                learner_compile=args.learner_compile, learner_packing=args.learner_packing)  # fmt: skip
+                prompts_per_step=args.prompts_per_step, max_tokens=args.max_tokens,
+                micro_batch_size=args.micro_batch_size, **knobs)  # fmt: skip
 
 
 def measure(
@@ -382,9 +379,8 @@ def plot(results: dict[str, list[dict[str, Any]]], output_dir: Path, task: Task)
     )
 
 
-def parse_args() -> Any:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.set_defaults(repeats=3)
+def add_task_args(parser: argparse.ArgumentParser) -> None:
+    """The task both systems run: steps, sizes, hyperparameters, dtype."""
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (default 8)")
@@ -400,6 +396,10 @@ def parse_args() -> Any:
         "measures bfloat16 faster; else float32)",
     )
     parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per pass (default 16)")
+
+
+def add_async_args(parser: argparse.ArgumentParser) -> None:
+    """rlfabric's policy lag and its off-policy corrections."""
     parser.add_argument(
         "--max-staleness",
         type=int,
@@ -426,9 +426,13 @@ def parse_args() -> Any:
         type=float,
         default=None,
         help="rlfabric's algorithm.rollout_trust_kl: a step whose samples are further than this (KL per "
-        "token, engine to trainer) from the current policy takes a learning rate scaled down by the ratio "
-        "(for --max-staleness 1; default off)",
+        "token, engine to trainer) from the current policy has its learning rate and its gradient's weight "
+        "in Adam's moments scaled down by the ratio (for --max-staleness 1; default off)",
     )
+
+
+def add_rlfabric_args(parser: argparse.ArgumentParser) -> None:
+    """How rlfabric runs: compilation, stand-in, packing, caches, cores."""
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -483,6 +487,14 @@ def parse_args() -> Any:
         help="VLLM_CPU_OMP_THREADS_BIND of rlfabric's replicas, '|' between replicas (default: the "
         "placement's)",
     )
+
+
+def parse_args() -> Any:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.set_defaults(repeats=3)
+    add_task_args(parser)
+    add_async_args(parser)
+    add_rlfabric_args(parser)
     parser.add_argument(
         "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run (default both)"
     )

@@ -221,6 +221,6 @@ def clip_and_step(
     used = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
-        group["lr"] = lr  # the scheduler's next value is computed from its base LR, this restores the rest
+        group["lr"] = lr  # the scheduled LR again: a chainable scheduler's next value builds on it
     scheduler.step()
     return float(norm), used
