@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from _e2e_report import comparison, reward_verdict, split_lines, table_rows
 from _e2e_systems import Task, rlfabric_step, run_tree, summarize
 from _multiturn_env import WORDS, SecretWords, word_tasks
 from common import (
@@ -62,7 +63,6 @@ from common import (
     markdown_table,
     report_results,
 )
-from e2e_trl import comparison, reward_verdict, split_lines, table_rows
 
 NAME = "multiturn_e2e"
 GOAL = 1.5
