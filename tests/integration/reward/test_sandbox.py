@@ -19,7 +19,11 @@ from rlfabric.runtime.sandbox import SandboxLimits, limit_exceeded, probe_isolat
 
 ISOLATION = probe_isolation()
 pytestmark = pytest.mark.skipif(ISOLATION.mode == "none", reason=f"no sandbox isolation: {ISOLATION.detail}")
-FAST = SandboxLimits(cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16, file_size_mb=1)
+# Their own uids, apart from the default pool's: other tests (other workers) may run sandboxed programs
+# meanwhile, and `sandbox_pids` must see only this module's.
+FAST = SandboxLimits(
+    cpu_s=2, wall_s=4.0, memory_mb=256, max_processes=16, file_size_mb=1, uid_base=61900, uid_count=4
+)
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 STDIN_TESTS = [
     {"input": "1 2\n", "output": "3\n"},
@@ -37,8 +41,8 @@ def score(completions, tests, **params):
     return run_scorer(scorer, [item(c, tests) for c in completions], timeout_s=120)
 
 
-def sandbox_pids(base: int = 61000, count: int = 64) -> list[int]:
-    """Host pids of live (not zombie) processes running as a sandbox uid."""
+def sandbox_pids(base: int = FAST.uid_base, count: int = FAST.uid_count) -> list[int]:
+    """Host pids of live (not zombie) processes running as one of `FAST`'s sandbox uids."""
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
