@@ -10,8 +10,10 @@ Why each defence exists:
 - network: a fresh network namespace has only a downed loopback, so every connect fails, including to
   127.0.0.1 (a different loopback from the host's).
 - processes: RLIMIT_NPROC is not enforced for root, so when the service is root the program runs as a uid
-  from a private pool (`uid_base`..`uid_base+uid_count-1`, one per concurrent run, so one run's fork bomb
-  cannot use up another's process budget); every process it starts lives in its pid namespace and is
+  from a private pool (`uid_base`..`uid_base+uid_count-1`, one per concurrent run on the host, so one
+  run's fork bomb cannot use up another's process budget; a uid is held by a lock file in `uid_lock_dir`,
+  so the scorer worker processes of a reward service and an environment service's tools never share one);
+  every process it starts lives in its pid namespace and is
   killed when the program (pid 1 there) ends or is killed at the wall-clock limit. (Unisolated runs as
   root instead kill every process of the run's uid afterwards.)
 - files: stdout/stderr go to host files capped by RLIMIT_FSIZE; /tmp, /var/tmp and /dev/shm are private
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -34,6 +37,7 @@ import queue
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -71,6 +75,7 @@ class SandboxLimits:
     tmpfs_mb: int = 64
     uid_base: int = 61000
     uid_count: int = 64
+    uid_lock_dir: str = "/tmp/rlfabric-sandbox-uids"  # one fixed folder: TMPDIR differs between processes
 
     def as_launcher_limits(self) -> dict[str, int]:
         mib = 1024 * 1024
@@ -139,26 +144,55 @@ class Isolation:
 
 
 class _UidPool:
-    """Hands out distinct unprivileged uids to concurrent runs (only used when the service is root)."""
+    """Hands out unprivileged uids to concurrent runs (only used when the service is root), distinct across
+    every process on the host that uses the same lock folder.
 
-    def __init__(self, base: int, count: int) -> None:
-        self.base, self.count = base, count
+    A uid is held by an exclusive `flock` on `lock_dir/<uid>`, which the kernel drops when the holder
+    closes the file or dies, so a killed worker never keeps its uid. Inside a process a queue makes runs
+    wait for a uid the process is not using; one that another process holds goes to the back."""
+
+    def __init__(self, base: int, count: int, lock_dir: str) -> None:
+        self.base, self.count, self.lock_dir = base, count, Path(lock_dir)
         self._free: queue.Queue[int] = queue.Queue()
         for uid in range(base, base + count):
             self._free.put(uid)
 
     @contextmanager
     def lease(self) -> Iterator[int]:
-        uid = self._free.get()
+        self._check_lock_dir()
+        tried = 0
+        while True:
+            uid = self._free.get()
+            fd = os.open(self.lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                os.close(fd)
+                self._free.put(uid)
+                tried += 1
+                if tried % self.count == 0:
+                    time.sleep(0.05)  # every uid is in use somewhere: wait for one to be let go
         try:
             yield uid
         finally:
+            os.close(fd)
             self._free.put(uid)
+
+    def _check_lock_dir(self) -> None:
+        """The folder is root's alone: a user who made it first could otherwise hold every uid's lock."""
+        self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.lock_dir.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise SandboxError(
+                f"sandbox uid lock folder {self.lock_dir} must be a folder owned by uid {os.getuid()} with "
+                f"no group or other access (mode {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})"
+            )
 
 
 @functools.cache
-def _uid_pool(base: int, count: int) -> _UidPool:
-    return _UidPool(base, count)
+def _uid_pool(base: int, count: int, lock_dir: str) -> _UidPool:
+    return _UidPool(base, count, lock_dir)
 
 
 @contextmanager
@@ -166,7 +200,7 @@ def _leased_uid(limits: SandboxLimits) -> Iterator[int]:
     if os.getuid() != 0:
         yield os.getuid()
         return
-    with _uid_pool(limits.uid_base, limits.uid_count).lease() as uid:
+    with _uid_pool(limits.uid_base, limits.uid_count, limits.uid_lock_dir).lease() as uid:
         yield uid
 
 
