@@ -22,6 +22,28 @@ os.environ["RLFABRIC_AUTO_DTYPE"] = "float32"
 # test that passes its own `server.metrics_port` overrides this).
 for _service in ("rollout", "reward", "learner", "environment"):
     os.environ.setdefault(f"RLFABRIC_{_service.upper()}__SERVER__METRICS_PORT", "0")
+# The environment every test module starts from (see `_one_environment_per_module`).
+SESSION_ENV = dict(os.environ)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_environment_per_module() -> Iterator[None]:
+    """Each module starts from `SESSION_ENV` and what it leaves in os.environ ends with it. Importing some
+    packages changes the environment of the whole process: TRL's vLLM support sets VLLM_LOGGING_LEVEL=ERROR
+    and TORCHINDUCTOR_COMPILE_THREADS=1, so every vLLM a later test started from the same pytest process
+    (a worker of `scripts/test.sh` runs many modules) logged nothing and compiled on one thread."""
+    _reset_environment()
+    yield
+    _reset_environment()
+
+
+def _reset_environment() -> None:
+    """os.environ back to `SESSION_ENV`, but for pytest's own variables (PYTEST_CURRENT_TEST, which it
+    deletes after each test, and xdist's)."""
+    pytest_own = {name: value for name, value in os.environ.items() if name.startswith("PYTEST_")}
+    os.environ.clear()
+    os.environ.update(SESSION_ENV)
+    os.environ.update(pytest_own)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +64,7 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     a fresh one costs ~14 s per engine start, spent inspecting the model class in a subprocess."""
     scratch = tmp_path_factory.mktemp("vllm")
     return {
-        **os.environ,
+        **SESSION_ENV,
         "TORCHDYNAMO_DISABLE": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"rlfabric-tests-vllm-cache-{os.getuid()}"),

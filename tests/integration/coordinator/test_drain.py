@@ -26,7 +26,10 @@ RUN = "drain"
 def start_replica(tmp_path: Path, model: Path, redis_url: str) -> tuple[ServiceProcess, str]:
     argv = [sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(model)]
     argv += ["--engine", "transformers", "--port", "0", "--insecure"]  # no weight updates here
-    for setting in (f"run_id={RUN}", f"redis.url={redis_url}", "replica_id=r0", "heartbeat_s=0.5"):
+    # drain_timeout_s: the held request may take minutes on a busy machine; the drain waits for it (its
+    # limit is not what this module tests).
+    settings = [f"run_id={RUN}", f"redis.url={redis_url}", "replica_id=r0", "heartbeat_s=0.5"]
+    for setting in [*settings, "drain_timeout_s=300"]:
         argv += ["--set", setting]
     proc = ServiceProcess("r0", argv, log_path=tmp_path / "r0.log")
     address = proc.start(r"listening on (\S+)", timeout_s=120).group(1)
@@ -76,7 +79,7 @@ async def test_sigterm_drains_the_replica_before_it_exits(
             await _collect(stub.Generate(request("new", 4)))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "draining" in str(refused.value.details())
-        samples = await asyncio.wait_for(held, 60)
+        samples = await asyncio.wait_for(held, 240)
     assert len(samples) == 4 and {len(s.token_ids) for s in samples} == {600}  # finished, not cut short
     assert await asyncio.to_thread(proc.proc.wait, 30) == 0  # type: ignore[union-attr]
     assert await entry(redis) is None  # deregistered
