@@ -450,7 +450,9 @@ class TrainSpec(SpecModel):
     """Pack each micro-batch's samples into one row with each group's prompt computed once instead of once
     per sample, and no padding (`rlfabric.learner.packing`; policy-gradient modes, the policy and the
     reference). The log-probs are the padded layout's; a group of 8 samples whose prompt is 3/4 of each
-    sample computes ~1/3 of the tokens. Models with sliding-window attention layers are never packed."""
+    sample computes ~1/3 of the tokens. In `sft` mode (and a warm start) the examples are sorted by their
+    ids and each micro-batch computes the prefix its examples share and do not train on (a system turn,
+    tool schemas) once. Models with sliding-window attention layers are never packed."""
     compile: bool = False
     """`torch.compile` the models' element-wise blocks (normalisation layers and MLPs) into fused kernels;
     attention and the matmuls stay eager. On CPU in bfloat16 a learner step of the bench model took

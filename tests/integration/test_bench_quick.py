@@ -76,6 +76,17 @@ def test_rollout_service_bench_quick(tmp_path: Path) -> None:
         assert phases["total_s"]["median"] >= phases["update_rpc_s"]["median"] > 0
 
 
+def test_sft_step_bench_quick(tmp_path: Path) -> None:
+    """Three steps of the agentic demonstrations on each side: packed and padded train alike."""
+    result = run_quick("sft_step", tmp_path, timeout=300)
+    r = result["result"]
+    assert result["quick"] is True and r["load"] == "tools" and r["examples_per_step"] == 16
+    assert all(len(losses) == 3 for losses in r["losses"].values())
+    assert r["max_loss_difference"] < 1e-4
+    assert r["losses"]["packed"][-1] < r["losses"]["packed"][0]  # it trains
+    assert all(s["median"] > 0 for s in r["tokens_per_s"].values()) and r["packing_ratio"] > 0
+
+
 def test_learner_step_bench_quick(tmp_path: Path) -> None:
     result = run_quick("learner_step", tmp_path, timeout=300)
     assert result["quick"] is True and result["result"]["load"]["preset"] == "tiny"

@@ -118,6 +118,18 @@ class PackedInputs:
         return flat.view(shape)
 
 
+def packed_logits(model: nn.Module, packed: PackedInputs) -> Tensor:
+    """`model`'s logits (1, S, V) at the kept positions of a packed row, through one forward of a model
+    loaded for packing (`parts.load_model(packed=True)`)."""
+    return model(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        logits_to_keep=packed.keep,
+        **{LAYOUT_KWARG: packed.layout},
+    ).logits
+
+
 def pack(rows: Sequence[tuple[Sequence[int], Sequence[int], int]], width: int, pad_id: int) -> PackedInputs:
     """Pack rows of `(prompt, completion, group)` (consecutive rows of one group share its prompt) whose
     padded layout is `(len(rows), width)`. A row whose prompt differs from its group's first (never, for

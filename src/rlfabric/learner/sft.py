@@ -2,8 +2,14 @@
 
 `SFTTrainer.train_step(examples)` runs in named phases, like the other trainers:
 1. plan: this rank's share of the examples (round-robin), cut into micro-batches of
-   `train.micro_batch_size` sequences (shortest first, so little is padding), padded to the same count on
-   every rank (FSDP collectives need it), and the step's trained-token count summed over the ranks;
+   `train.micro_batch_size` sequences, padded to the same count on every rank (FSDP collectives need it),
+   and the step's trained-token count summed over the ranks. Packed (`train.packing`, the default, where
+   the architecture allows): the examples sorted by their ids, so that examples opening alike sit
+   together, and each micro-batch one packed row in which the longest prefix its examples share and none
+   of them trains on (a system prompt, the tool schemas, a few-shot preamble) is computed once
+   (`rlfabric.learner.packing`: each example attends to that prefix and causally to itself, at its own
+   positions, so the loss is the padded layout's). On tool-calling conversations, whose tool schemas open
+   every example, that is most of the tokens. Otherwise shortest first, so little is padding;
 2. accumulate: per micro-batch, the policy's log-prob of each target and the summed negative log-prob of
    the masked ones divided by the step's global token count, backpropagated;
 3. optimizer step: grad clipping, AdamW, LR schedule (`parts.build_optimizer`);
@@ -29,7 +35,8 @@ from rlfabric.learner.algorithms import masked_sum
 from rlfabric.learner.batch import GroupSamples, MicroBatch, Rollout, build_micro_batches, empty_micro_batch
 from rlfabric.learner.checkpoint import TrainObjects
 from rlfabric.learner.dist import World, all_reduce_max, all_reduce_sum, defer_gradient_sync
-from rlfabric.learner.parts import build_optimizer, clip_and_step, load_model
+from rlfabric.learner.packing import packed_logits
+from rlfabric.learner.parts import build_optimizer, clip_and_step, is_packed, load_model
 from rlfabric.learner.preference import token_logprobs
 from rlfabric.learner.sft_data import SFTExample
 from rlfabric.learner.trainer_base import TrainerBase
@@ -42,23 +49,79 @@ trained tokens and the sequences."""
 
 def examples_as_groups(examples: Sequence[SFTExample]) -> list[GroupSamples]:
     """Each example as a one-sample group: its first id the prompt, the rest a completion with its mask."""
-    return [
-        GroupSamples(
-            e.token_ids[:1],
-            [Rollout(e.token_ids[1:], [0.0] * (len(e.token_ids) - 1), 0.0, loss_mask=e.loss_mask[1:])],
-            e.example_id,
-        )
-        for e in examples
-    ]
+    return [GroupSamples(e.token_ids[:1], [completion(e, 1)], e.example_id) for e in examples]
+
+
+def completion(example: SFTExample, prompt_length: int) -> Rollout:
+    """The ids of `example` after its first `prompt_length` as a sampled completion, with their mask."""
+    rest = example.token_ids[prompt_length:]
+    return Rollout(rest, [0.0] * len(rest), 0.0, loss_mask=example.loss_mask[prompt_length:])
+
+
+def shared_prefix_groups(examples: Sequence[SFTExample], micro_batch_size: int) -> list[GroupSamples]:
+    """The examples sorted by their ids and cut into chunks of `micro_batch_size` (one micro-batch each),
+    each chunk split into runs that share a prefix (`shared_prefix_runs`): a run is a group whose prompt
+    is that prefix and whose completions are each example's rest with its mask."""
+    ordered = sorted(examples, key=lambda e: e.token_ids)
+    groups = []
+    for start in range(0, len(ordered), micro_batch_size):
+        for shared, run in shared_prefix_runs(ordered[start : start + micro_batch_size]):
+            prompt = max(shared, 1)  # at least the first id, which nothing predicts
+            groups.append(
+                GroupSamples(
+                    run[0].token_ids[:prompt], [completion(e, prompt) for e in run], run[0].example_id
+                )
+            )
+    return groups
+
+
+def shared_prefix_runs(chunk: Sequence[SFTExample]) -> list[tuple[int, list[SFTExample]]]:
+    """`chunk` (sorted by ids) cut into consecutive runs, each with the prefix length all its examples share
+    before their first trained token, so that the ids computed once are the most (`(n - 1) * shared` a
+    run): a run's examples share at least their first id. Exact, by dynamic programming over the cuts."""
+    saved, cut = [0] * (len(chunk) + 1), [0] * (len(chunk) + 1)  # for chunk[:j]: most saved, last run's start
+    for j in range(1, len(chunk) + 1):
+        saved[j], cut[j] = saved[j - 1], j - 1  # chunk[j - 1] alone
+        shared = untrained_prefix(chunk[j - 1], chunk[j - 1].token_ids)
+        for i in range(j - 2, -1, -1):  # the run chunk[i:j]
+            shared = min(shared, untrained_prefix(chunk[i], chunk[j - 1].token_ids))
+            if shared < 1:
+                break
+            if saved[i] + (j - 1 - i) * shared > saved[j]:
+                saved[j], cut[j] = saved[i] + (j - 1 - i) * shared, i
+    runs, j = [], len(chunk)
+    while j > 0:
+        run = list(chunk[cut[j] : j])
+        runs.append((min(untrained_prefix(e, run[-1].token_ids) for e in run), run))
+        j = cut[j]
+    return runs[::-1]
+
+
+def untrained_prefix(example: SFTExample, other: Sequence[int]) -> int:
+    """How many leading ids `example` shares with `other` before its first trained token (and before its
+    last id, so that one is left to train on)."""
+    limit = next((i for i, m in enumerate(example.loss_mask) if m), len(example.token_ids) - 1)
+    shared = 0
+    while shared < limit and shared < len(other) and example.token_ids[shared] == other[shared]:
+        shared += 1
+    return shared
 
 
 def token_nll(model: torch.nn.Module, mb: MicroBatch, pad_id: int) -> tuple[Tensor, Tensor]:
-    """The summed negative log-prob of the masked targets () and how many of them are the argmax ()."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    targets = mb.targets(pad_id)
-    nll = -masked_sum(token_logprobs(logits, targets), mb.loss_mask)
-    correct = masked_sum((logits.detach().argmax(-1) == targets).float(), mb.loss_mask)
-    return nll, correct
+    """The summed negative log-prob of the masked targets () and how many of them are the argmax (). A
+    packed micro-batch runs as its packed row through a model loaded for it, the LM head on the examples'
+    own positions only."""
+    packed = mb.packed if is_packed(model) else None
+    if packed is None:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        targets = mb.targets(pad_id)
+        logp, hits = token_logprobs(logits, targets), (logits.detach().argmax(-1) == targets).float()
+    else:
+        logits = packed_logits(model, packed)
+        shape = mb.input_ids.shape
+        logp = packed.to_target_layout(token_logprobs(logits, packed.targets), shape)
+        hits = packed.to_target_layout((logits.detach().argmax(-1) == packed.targets).float(), shape)
+    return -masked_sum(logp, mb.loss_mask), masked_sum(hits, mb.loss_mask)
 
 
 class SFTTrainer(TrainerBase[SFTExample]):
@@ -75,6 +138,7 @@ class SFTTrainer(TrainerBase[SFTExample]):
             trainable=True,
             checkpointing=spec.train.activation_checkpointing,
             compile_blocks=spec.train.compile,
+            packed=spec.train.packing,
         )
         schedule = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": total_steps})})
         self.optimizer, self.scheduler = build_optimizer(self.model, schedule)
@@ -111,12 +175,13 @@ class SFTTrainer(TrainerBase[SFTExample]):
         """Phase 1: this rank's micro-batches on the device, as many on every rank, and the trained
         tokens of all the examples."""
         mine = list(examples[self.world.rank :: self.world.size])
-        mbs = build_micro_batches(
-            examples_as_groups(mine), self.spec.train.micro_batch_size, self.pad_id, by_length=True
-        )
-        mbs += [
-            empty_micro_batch(self.pad_id) for _ in range(all_reduce_max(len(mbs), self.world) - len(mbs))
-        ]
+        size, packed = self.spec.train.micro_batch_size, is_packed(self.model)
+        if packed:
+            mbs = build_micro_batches(shared_prefix_groups(mine, size), size, self.pad_id, packed=True)
+        else:
+            mbs = build_micro_batches(examples_as_groups(mine), size, self.pad_id, by_length=True)
+        missing = all_reduce_max(len(mbs), self.world) - len(mbs)
+        mbs += [empty_micro_batch(self.pad_id, packed) for _ in range(missing)]
         local = torch.tensor([float(sum(sum(e.loss_mask[1:]) for e in mine))], device=self.device)
         return [mb.to(self.device) for mb in mbs], float(all_reduce_sum(local, self.world).item())
 

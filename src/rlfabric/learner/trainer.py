@@ -66,7 +66,7 @@ from rlfabric.learner.dist import (
     reshard,
 )
 from rlfabric.learner.lora import AdaptersDisabled
-from rlfabric.learner.packing import LAYOUT_KWARG
+from rlfabric.learner.packing import packed_logits
 from rlfabric.learner.parts import (
     build_optimizer,
     clip_and_step,
@@ -333,13 +333,7 @@ class Trainer(TrainerBase[GroupSamples]):
         if packed is None:
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)
-        logits = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            use_cache=False,
-            logits_to_keep=packed.keep,
-            **{LAYOUT_KWARG: packed.layout},
-        ).logits
+        logits = packed_logits(model, packed)
         logp, entropy = token_logprobs_and_entropy(logits, packed.targets, entropy_grad)
         shape = mb.input_ids.shape
         return packed.to_target_layout(logp, shape), packed.to_target_layout(entropy, shape)

@@ -1,6 +1,7 @@
 """The SFT trainer in one process (a gloo world of one) on the tiny model: the loss is the mean negative
 log-prob over every assistant token of the step, computed here by hand with a plain transformers
-forward; its gradient is that loss's gradient whatever the micro-batch size; evaluation changes nothing."""
+forward; its gradient is that loss's gradient whatever the micro-batch size, packed (each micro-batch's
+shared untrained prefix computed once) or padded; evaluation changes nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from rlfabric.learner.dist import World, init_distributed
-from rlfabric.learner.sft import SFTTrainer, examples_as_groups
+from rlfabric.learner.parts import is_packed
+from rlfabric.learner.sft import SFTTrainer, examples_as_groups, shared_prefix_groups
 from rlfabric.learner.sft_data import SFTExample
 from rlfabric.runspec import RunSpec
 
@@ -23,6 +25,13 @@ EXAMPLES = [
     SFTExample([9, 10, 11, 12, 13], [0, 1, 0, 1, 1], "c"),
 ]
 """Three sequences with 3, 2 and 3 trained tokens (the last with two assistant turns)."""
+SHARED = [
+    *EXAMPLES,
+    SFTExample([4, 93, 6, 80, 81, 5, 6, 4, 73, 6, 70, 71, 72, 5], [0] * 10 + [1, 1, 1, 1], "d"),
+    SFTExample([4, 93, 6, 80, 81, 5, 6, 4, 30, 6, 90, 5], [0] * 8 + [1, 1, 1, 1], "e"),
+]
+"""EXAMPLES and two more opening as the first does (a shared system turn): "d" shares its 10 untrained
+ids with "a", "e" shares 8 ids and trains from the ninth."""
 
 
 @pytest.fixture(scope="module")
@@ -33,27 +42,29 @@ def world() -> Iterator[World]:
     torch.set_num_threads(threads)
 
 
-def make_trainer(model_dir: Path, world: World, micro_batch_size: int = 1, **optim: Any) -> SFTTrainer:
+def make_trainer(
+    model_dir: Path, world: World, micro_batch_size: int = 1, packing: bool = True, **optim: Any
+) -> SFTTrainer:
     spec = RunSpec.model_validate(
         {
             "mode": "sft",
             "model": {"path": str(model_dir)},
             "dataset": {"path": "unused.jsonl"},
             "optim": {"lr": 1e-2, "grad_clip": None, **optim},
-            "train": {"micro_batch_size": micro_batch_size},
+            "train": {"micro_batch_size": micro_batch_size, "packing": packing},
         }
     )
     return SFTTrainer(spec, model_dir, device=CPU, world=world, total_steps=10)
 
 
-def by_hand(model_dir: Path) -> tuple[float, float, float]:
-    """(loss, token accuracy, gradient norm) of the mean NLL over every trained token of EXAMPLES,
+def by_hand(model_dir: Path, examples: list[SFTExample] = EXAMPLES) -> tuple[float, float, float]:
+    """(loss, token accuracy, gradient norm) of the mean NLL over every trained token of `examples`,
     from a plain forward of each sequence."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     nll, correct, tokens = torch.zeros(()), 0, 0
-    for example in EXAMPLES:
+    for example in examples:
         ids = torch.tensor([example.token_ids])
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # (T, V)
         for t in range(len(example.token_ids) - 1):
@@ -71,6 +82,46 @@ def test_examples_become_one_token_prompts_with_the_mask_on_the_completion() -> 
     group = examples_as_groups(EXAMPLES[2:])[0]
     assert group.prompt_token_ids == [9] and group.group_id == "c"
     assert group.rollouts[0].token_ids == [10, 11, 12, 13] and group.rollouts[0].loss_mask == [1, 0, 1, 1]
+
+
+def test_packed_groups_share_the_prefix_no_example_trains_on() -> None:
+    """Sorted by ids (b, e, d, a, c), two per micro-batch: "b" and "e" share only their first id, "d" and
+    "a" their 10 untrained ids (both train from the 11th), "c" is alone and keeps its first id as its
+    prompt (it trains on its second)."""
+    groups = shared_prefix_groups(SHARED, 2)
+    assert [[r.token_ids for r in g.rollouts] for g in groups] == [
+        [[30, 31, 5, 6, 4, 73, 6, 40, 5], [93, 6, 80, 81, 5, 6, 4, 30, 6, 90, 5]],
+        [[70, 71, 72, 5], [90, 95, 5]],
+        [[10, 11, 12, 13]],
+    ]
+    assert [g.prompt_token_ids for g in groups] == [[4], SHARED[0].token_ids[:10], [9]]
+    for group in groups:  # each example is its group's prompt and its completion, the mask on the latter
+        shared = len(group.prompt_token_ids)
+        for rollout in group.rollouts:
+            example = next(e for e in SHARED if e.token_ids == group.prompt_token_ids + rollout.token_ids)
+            assert rollout.loss_mask == example.loss_mask[shared:] and not any(example.loss_mask[1:shared])
+    # all five in one micro-batch: "e", "d" and "a" share 8 ids (16 computed once), more than "b" and "e"
+    # sharing one and "d" and "a" ten (11); "c" opens otherwise
+    groups = shared_prefix_groups(SHARED, 5)
+    ids = {tuple(e.token_ids): e.example_id for e in SHARED}
+    members = [[ids[tuple(g.prompt_token_ids + r.token_ids)] for r in g.rollouts] for g in groups]
+    assert members == [["b"], ["e", "d", "a"], ["c"]]
+    assert [len(g.prompt_token_ids) for g in groups] == [8, 8, 1]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 5])
+def test_shared_prefixes_change_neither_loss_nor_gradient(
+    tiny_model_dir: Path, world: World, packing: bool, micro_batch_size: int
+) -> None:
+    loss, accuracy, norm = by_hand(tiny_model_dir, SHARED)
+    trainer = make_trainer(tiny_model_dir, world, micro_batch_size, packing)
+    assert is_packed(trainer.model) == packing
+    metrics = trainer.train_step(SHARED)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["token_accuracy"] == pytest.approx(accuracy)
+    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert metrics["tokens"] == 8 + 4 + 4 and metrics["sequences"] == 5
 
 
 def test_loss_and_gradient_are_the_token_mean_by_hand(tiny_model_dir: Path, world: World) -> None:
