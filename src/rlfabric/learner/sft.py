@@ -25,6 +25,7 @@ model is loaded. `evaluate` is the same token mean without gradient, on held-out
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,33 +79,40 @@ def shared_prefix_groups(examples: Sequence[SFTExample], micro_batch_size: int) 
 def shared_prefix_runs(chunk: Sequence[SFTExample]) -> list[tuple[int, list[SFTExample]]]:
     """`chunk` (sorted by ids) cut into consecutive runs, each with the prefix length all its examples share
     before their first trained token, so that the ids computed once are the most (`(n - 1) * shared` a
-    run): a run's examples share at least their first id. Exact, by dynamic programming over the cuts."""
+    run): a run's examples share at least their first id. Exact, by dynamic programming over the cuts; as
+    the chunk is sorted, a run's common prefix is the least of its neighbours' (O(n^2) in all)."""
+    limits = [untrained_length(e) for e in chunk]
+    neighbours = [common_length(a.token_ids, b.token_ids) for a, b in itertools.pairwise(chunk)]
+
+    def shared(i: int, j: int) -> int:  # the run chunk[i:j]
+        return min(limits[i:j] + neighbours[i : j - 1])
+
     saved, cut = [0] * (len(chunk) + 1), [0] * (len(chunk) + 1)  # for chunk[:j]: most saved, last run's start
     for j in range(1, len(chunk) + 1):
         saved[j], cut[j] = saved[j - 1], j - 1  # chunk[j - 1] alone
-        shared = untrained_prefix(chunk[j - 1], chunk[j - 1].token_ids)
+        common = limits[j - 1]
         for i in range(j - 2, -1, -1):  # the run chunk[i:j]
-            shared = min(shared, untrained_prefix(chunk[i], chunk[j - 1].token_ids))
-            if shared < 1:
+            common = min(common, limits[i], neighbours[i])
+            if common < 1:
                 break
-            if saved[i] + (j - 1 - i) * shared > saved[j]:
-                saved[j], cut[j] = saved[i] + (j - 1 - i) * shared, i
+            if saved[i] + (j - 1 - i) * common > saved[j]:
+                saved[j], cut[j] = saved[i] + (j - 1 - i) * common, i
     runs, j = [], len(chunk)
     while j > 0:
-        run = list(chunk[cut[j] : j])
-        runs.append((min(untrained_prefix(e, run[-1].token_ids) for e in run), run))
+        runs.append((shared(cut[j], j), list(chunk[cut[j] : j])))
         j = cut[j]
     return runs[::-1]
 
 
-def untrained_prefix(example: SFTExample, other: Sequence[int]) -> int:
-    """How many leading ids `example` shares with `other` before its first trained token (and before its
-    last id, so that one is left to train on)."""
-    limit = next((i for i, m in enumerate(example.loss_mask) if m), len(example.token_ids) - 1)
-    shared = 0
-    while shared < limit and shared < len(other) and example.token_ids[shared] == other[shared]:
-        shared += 1
-    return shared
+def untrained_length(example: SFTExample) -> int:
+    """Leading ids of `example` before its first trained token (and before its last id, so that one is left
+    to train on)."""
+    return next((i for i, m in enumerate(example.loss_mask) if m), len(example.token_ids) - 1)
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def token_nll(model: torch.nn.Module, mb: MicroBatch, pad_id: int) -> tuple[Tensor, Tensor]:

@@ -5,6 +5,8 @@ shared untrained prefix computed once) or padded; evaluation changes nothing."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import torch
 
 from rlfabric.learner.dist import World, init_distributed
 from rlfabric.learner.parts import is_packed
-from rlfabric.learner.sft import SFTTrainer, examples_as_groups, shared_prefix_groups
+from rlfabric.learner.sft import SFTTrainer, examples_as_groups, shared_prefix_groups, shared_prefix_runs
 from rlfabric.learner.sft_data import SFTExample
 from rlfabric.runspec import RunSpec
 
@@ -107,6 +109,48 @@ def test_packed_groups_share_the_prefix_no_example_trains_on() -> None:
     members = [[ids[tuple(g.prompt_token_ids + r.token_ids)] for r in g.rollouts] for g in groups]
     assert members == [["b"], ["e", "d", "a"], ["c"]]
     assert [len(g.prompt_token_ids) for g in groups] == [8, 8, 1]
+
+
+def exhaustive_best(chunk: list[SFTExample]) -> int:
+    """The most ids computed once over every way to cut `chunk` into runs, tried one by one."""
+
+    def untrained(e: SFTExample) -> int:
+        return next((i for i, m in enumerate(e.loss_mask) if m), len(e.token_ids) - 1)
+
+    def common(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    best = 0
+    for count in range(len(chunk)):
+        for cuts in itertools.combinations(range(1, len(chunk)), count):
+            bounds, total = [0, *cuts, len(chunk)], 0
+            for start, end in itertools.pairwise(bounds):
+                run = chunk[start:end]
+                shared = min(min(untrained(e), common(run[0].token_ids, e.token_ids)) for e in run)
+                if len(run) > 1 and shared < 1:
+                    break
+                total += (len(run) - 1) * shared
+            else:
+                best = max(best, total)
+    return best
+
+
+def test_the_runs_save_the_most_ids_any_cut_could() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        examples = []
+        for k in range(rng.randint(1, 7)):
+            ids = [rng.choice([1, 2, 3]) for _ in range(rng.randint(2, 9))]
+            first = rng.randint(1, len(ids) - 1)
+            examples.append(SFTExample(ids, [0] * first + [1] * (len(ids) - first), str(k)))
+        chunk = sorted(examples, key=lambda e: e.token_ids)
+        runs = shared_prefix_runs(chunk)
+        assert [e for _, run in runs for e in run] == chunk
+        assert sum((len(run) - 1) * shared for shared, run in runs) == exhaustive_best(chunk)
+        for shared, run in runs:
+            assert len(run) == 1 or shared >= 1
+            assert all(e.token_ids[:shared] == run[0].token_ids[:shared] for e in run)
+            assert not any(m for e in run for m in e.loss_mask[1:shared])
 
 
 @pytest.mark.parametrize("packing", [True, False])
