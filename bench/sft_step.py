@@ -138,7 +138,6 @@ def measure(load: str, repeats: int, workdir: Path) -> dict[str, Any]:
         for side in ("packed", "padded")
     }  # fmt: skip
     plain = PlainLoop(model_dir)
-    steps_fn = {"packed": trainers["packed"].train_step, "padded": trainers["padded"].train_step}
     examples = load_sft_data(run_spec(model_dir, data, True)).train
     steps = [examples[i * EXAMPLES_PER_STEP : (i + 1) * EXAMPLES_PER_STEP] for i in range(repeats + 1)]
     seconds: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -146,7 +145,7 @@ def measure(load: str, repeats: int, workdir: Path) -> dict[str, Any]:
     for i, batch in enumerate(steps):
         for side in SIDES[i % 3 :] + SIDES[: i % 3]:
             start = time.perf_counter()
-            loss = plain.train_step(batch) if side == "plain" else steps_fn[side](batch)["loss"]
+            loss = plain.train_step(batch) if side == "plain" else trainers[side].train_step(batch)["loss"]
             elapsed = time.perf_counter() - start
             print(f"step {i} {side}: {elapsed:.2f} s, loss {loss:.4f}", file=sys.stderr, flush=True)
             losses[side].append(loss)

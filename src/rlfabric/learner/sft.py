@@ -83,23 +83,20 @@ def shared_prefix_runs(chunk: Sequence[SFTExample]) -> list[tuple[int, list[SFTE
     the chunk is sorted, a run's common prefix is the least of its neighbours' (O(n^2) in all)."""
     limits = [untrained_length(e) for e in chunk]
     neighbours = [common_length(a.token_ids, b.token_ids) for a, b in itertools.pairwise(chunk)]
-
-    def shared(i: int, j: int) -> int:  # the run chunk[i:j]
-        return min(limits[i:j] + neighbours[i : j - 1])
-
-    saved, cut = [0] * (len(chunk) + 1), [0] * (len(chunk) + 1)  # for chunk[:j]: most saved, last run's start
+    # for chunk[:j]: the most ids saved, where its last run starts and that run's shared prefix
+    saved, cut, prefix = [0] * (len(chunk) + 1), [0] * (len(chunk) + 1), [0] * (len(chunk) + 1)
     for j in range(1, len(chunk) + 1):
-        saved[j], cut[j] = saved[j - 1], j - 1  # chunk[j - 1] alone
+        saved[j], cut[j], prefix[j] = saved[j - 1], j - 1, limits[j - 1]  # chunk[j - 1] alone
         common = limits[j - 1]
         for i in range(j - 2, -1, -1):  # the run chunk[i:j]
             common = min(common, limits[i], neighbours[i])
             if common < 1:
                 break
             if saved[i] + (j - 1 - i) * common > saved[j]:
-                saved[j], cut[j] = saved[i] + (j - 1 - i) * common, i
+                saved[j], cut[j], prefix[j] = saved[i] + (j - 1 - i) * common, i, common
     runs, j = [], len(chunk)
     while j > 0:
-        runs.append((shared(cut[j], j), list(chunk[cut[j] : j])))
+        runs.append((prefix[j], list(chunk[cut[j] : j])))
         j = cut[j]
     return runs[::-1]
 
