@@ -329,6 +329,11 @@ class Counter(StrEnum):
         "coordinator",
         "trajectories the environment failed or timed out",
     )
+    TEMPLATE_MISMATCHES = (
+        "template_mismatches",
+        "coordinator",
+        "trajectories ended because the chat template renders a sampled turn otherwise (never re-tokenized)",
+    )
     TRAJECTORIES = "trajectories", "coordinator", "multi-turn trajectories the replicas returned"
     TRAJECTORY_TURNS = "trajectory_turns", "coordinator", "model turns in those trajectories"
     TRAJECTORIES_TRUNCATED = "trajectories_truncated", "coordinator", "trajectories a limit cut short"

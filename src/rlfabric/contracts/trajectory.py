@@ -24,7 +24,10 @@ TRAJECTORY_STATUSES: tuple[TrajectoryStatus, ...] = (
     "aborted",
 )
 """Every `TrajectoryStatus`, in the proto enum's order."""
-FAILED_STATUSES: frozenset[TrajectoryStatus] = frozenset({"env_error", "env_timeout", "template_mismatch"})
+ENVIRONMENT_FAILURES: frozenset[TrajectoryStatus] = frozenset({"env_error", "env_timeout"})
+"""The environment's own failures (counted in `environment_errors`; a template mismatch is the product
+refusing to re-tokenize and is counted apart, in `template_mismatches`)."""
+FAILED_STATUSES: frozenset[TrajectoryStatus] = ENVIRONMENT_FAILURES | {"template_mismatch"}
 """Statuses whose trajectory has no valid outcome to score or train on."""
 
 

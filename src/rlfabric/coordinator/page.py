@@ -32,8 +32,8 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tool calls (multi-turn)", ("tool_call_success_rate", "tool_calls_mean")),
 )
 """(title, metrics-row keys) of each chart, in page order. Environment failures of a multi-turn run are in
-the counters table (`environment_errors`, `dropped_environment_error`). Charts plot against the step, but
-those in `KL_CHARTS`."""
+the counters table (`environment_errors`, `template_mismatches`, `dropped_environment_error`). Charts plot
+against the step, but those in `KL_CHARTS`."""
 KL_CHARTS = frozenset({CHARTS[1][0]})
 """Charts of held-out evaluations against KL: each evaluation at the learner's mean KL to the reference at
 its step (`health.evaluations`: `kl` of the row of `eval_step`, else of the row carrying it); the classic

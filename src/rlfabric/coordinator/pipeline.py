@@ -41,7 +41,7 @@ import grpc
 from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
-from rlfabric.contracts.trajectory import FAILED_STATUSES
+from rlfabric.contracts.trajectory import ENVIRONMENT_FAILURES, FAILED_STATUSES
 from rlfabric.coordinator.dataset import PromptCursor, PromptRow, chat_prompt, load_prompt_sets
 from rlfabric.coordinator.evaluation import Evaluator
 from rlfabric.coordinator.fleet import FleetLane, FleetScheduler
@@ -131,7 +131,8 @@ def trajectory_counts(samples: list[rollout_pb2.GeneratedSample]) -> dict[Counte
             sum(wire.turn_role_from_proto(turn.role) == "model" for turn in t.turns) for t in trajectories
         ),
         Counter.TRAJECTORIES_TRUNCATED: statuses.count("truncated"),
-        Counter.ENVIRONMENT_ERRORS: sum(status in FAILED_STATUSES for status in statuses),
+        Counter.ENVIRONMENT_ERRORS: sum(status in ENVIRONMENT_FAILURES for status in statuses),
+        Counter.TEMPLATE_MISMATCHES: statuses.count("template_mismatch"),
         Counter.TOOL_CALLS: sum(t.tool_calls for t in trajectories),
         Counter.TOOL_ERRORS: sum(t.tool_errors for t in trajectories),
         Counter.PREFIX_PROMPT_TOKENS: sum(t.prompt_tokens for t in trajectories),
@@ -388,7 +389,7 @@ class RunPipeline:
         self, item: InFlight, samples: list[rollout_pb2.GeneratedSample]
     ) -> list[rollout_pb2.GeneratedSample]:
         """Counts a multi-turn group's trajectories (turns, tool calls, prefix-cache hits, truncations,
-        environment failures); [] when one failed (the group is dropped with the reason
+        environment failures, template mismatches); [] when one failed (the group is dropped with the reason
         `environment_error`: an environment failure is never a reward of 0) or has no token at all (the
         prompt leaves no room in the context: `prompt_too_long`)."""
         counts = trajectory_counts(samples)

@@ -38,12 +38,18 @@ def sample(t: Trajectory, index: int = 0):  # type: ignore[no-untyped-def]
 
 
 def test_the_coordinator_counts_turns_tools_truncations_failures_and_cache_hits() -> None:
-    samples = [sample(played()), sample(played("truncated", 2, 1), 1), sample(played("env_timeout"), 2)]
+    samples = [
+        sample(played()),
+        sample(played("truncated", 2, 1), 1),
+        sample(played("env_timeout"), 2),
+        sample(played("template_mismatch"), 3),
+    ]
     counts = trajectory_counts(samples)
-    assert counts[Counter.TRAJECTORIES] == 3 and counts[Counter.TRAJECTORY_TURNS] == 6
+    assert counts[Counter.TRAJECTORIES] == 4 and counts[Counter.TRAJECTORY_TURNS] == 8
     assert counts[Counter.TRAJECTORIES_TRUNCATED] == 1 and counts[Counter.ENVIRONMENT_ERRORS] == 1
-    assert (counts[Counter.TOOL_CALLS], counts[Counter.TOOL_ERRORS]) == (4, 1)
-    assert (counts[Counter.PREFIX_PROMPT_TOKENS], counts[Counter.PREFIX_CACHED_TOKENS]) == (36, 12)
+    assert counts[Counter.TEMPLATE_MISMATCHES] == 1
+    assert (counts[Counter.TOOL_CALLS], counts[Counter.TOOL_ERRORS]) == (5, 1)
+    assert (counts[Counter.PREFIX_PROMPT_TOKENS], counts[Counter.PREFIX_CACHED_TOKENS]) == (48, 16)
 
 
 def test_a_trajectory_reaches_the_learner_with_its_mask_turns_and_tools() -> None:
