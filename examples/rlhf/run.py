@@ -71,6 +71,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rm-steps", type=int, default=150, help="steps of each reward model (default 150)")
     p.add_argument("--quick", action="store_true", help="6 RL steps, one RL run, one reward model")
     p.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], help="RL runs to do")
+    p.add_argument(
+        "--learner-threads",
+        type=int,
+        help="torch threads of every learner (`rlfabric up --learner-threads`; default: up's own choice, "
+        "every core for the reward models and DPO, which run alone)",
+    )
     return p.parse_args()
 
 
@@ -90,6 +96,12 @@ def sh(out: Path, name: str, *argv: str) -> str:
 
 def rlfabric(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlfabric.cli", *args]
+
+
+def up(run_file: Path | str, run_dir: Path, threads: int | None) -> list[str]:
+    """`rlfabric up RUN_FILE` into `run_dir`, one line per step, `--learner-threads` when given."""
+    argv = rlfabric("up", str(run_file), "--run-dir", str(run_dir), "--no-progress")
+    return [*argv, "--learner-threads", str(threads)] if threads else argv
 
 
 def write_run(out: Path, name: str, spec: dict[str, Any]) -> Path:
@@ -133,7 +145,7 @@ def data(out: Path, model: Path) -> Path:
 
 
 def reward_model(
-    out: Path, model: Path, version: Path, seed: int, steps: int, part: int | None = None
+    out: Path, model: Path, version: Path, seed: int, steps: int, threads: int | None, part: int | None = None
 ) -> Path:
     """Reward model `seed` on the whole version, or (with `part`) on its third `part` only."""
     name = f"rm-{seed}" if part is None else f"rm-part{part}"
@@ -156,11 +168,7 @@ def reward_model(
         spec["dataset"]["epochs"] = 12
     run_dir = out / name
     if not (run_dir / name / "model" / "config.json").exists():
-        sh(
-            out,
-            name,
-            *rlfabric("up", str(write_run(out, name, spec)), "--run-dir", str(run_dir), "--no-progress"),
-        )
+        sh(out, name, *up(write_run(out, name, spec), run_dir, threads))
     rows = read_rows(run_dir / name / "metrics.jsonl")
     accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
     print(f"    {name}: held-out pairwise accuracy {accuracy[0]:.2f} -> {accuracy[-1]:.2f}", flush=True)
@@ -196,12 +204,14 @@ def rl_spec(out: Path, variant: Variant, model: Path, rms: list[Path], steps: in
     return spec
 
 
-def rl(out: Path, variant: Variant, model: Path, rms: list[Path], steps: int) -> dict[str, Any]:
+def rl(
+    out: Path, variant: Variant, model: Path, rms: list[Path], steps: int, threads: int | None
+) -> dict[str, Any]:
     run_dir = out / variant.name
     path = write_run(out, variant.name, rl_spec(out, variant, model, rms, steps))
     if not (run_dir / variant.name / "metrics.jsonl").exists():
-        argv = rlfabric("up", str(path), "--run-dir", str(run_dir), "--no-progress")
-        result = subprocess.run(argv, capture_output=True, text=True)  # a guarded stop exits 1
+        # a guarded stop exits 1
+        result = subprocess.run(up(path, run_dir, threads), capture_output=True, text=True)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         (out / "logs" / f"{variant.name}.log").write_text(result.stdout + result.stderr)
         print(f"[{variant.name}] exit {result.returncode}", flush=True)
@@ -221,7 +231,7 @@ def ending(log: str) -> dict[str, str]:
     return found
 
 
-def dpo(out: Path, model: Path, version: Path, steps: int) -> dict[str, Any]:
+def dpo(out: Path, model: Path, version: Path, steps: int, threads: int | None) -> dict[str, Any]:
     """DPO on the same preference version, from the same policy: the no-reward-model alternative. Its final
     model is scored like the RL runs' evaluations: the held-out prompts, n = 8, by the gold preference."""
     spec = {
@@ -236,8 +246,7 @@ def dpo(out: Path, model: Path, version: Path, steps: int) -> dict[str, Any]:
     run_dir = out / "dpo"
     final = run_dir / "dpo" / "model"
     if not (final / "config.json").exists():
-        run_file = str(write_run(out, "dpo", spec))
-        sh(out, "dpo", *rlfabric("up", run_file, "--run-dir", str(run_dir), "--no-progress"))
+        sh(out, "dpo", *up(write_run(out, "dpo", spec), run_dir, threads))
     before, after = asyncio.run(held_out_gold([model, final]))
     print(f"    dpo: held-out gold {before:.3f} (initial policy) -> {after:.3f}", flush=True)
     return {"variant": "dpo", "initial_gold": before, "gold": after, "steps": steps}
@@ -350,12 +359,13 @@ def main() -> int:
     names = args.variants or (["kl-low"] if args.quick else [v.name for v in VARIANTS])
     model = policy(out)
     version = data(out, model)
-    rms = [reward_model(out, model, version, seed, args.rm_steps) for seed in rm_seeds]
+    threads = args.learner_threads
+    rms = [reward_model(out, model, version, seed, args.rm_steps, threads) for seed in rm_seeds]
     chosen = [v for v in VARIANTS if v.name in names]
     if any(v.disjoint for v in chosen):
-        parts = [reward_model(out, model, version, i, args.rm_steps, part=i) for i in range(3)]
-    results = [rl(out, v, model, parts if v.disjoint else rms, rl_steps) for v in chosen]
-    offline = dpo(out, model, version, 12 if args.quick else args.rm_steps)
+        parts = [reward_model(out, model, version, i, args.rm_steps, threads, part=i) for i in range(3)]
+    results = [rl(out, v, model, parts if v.disjoint else rms, rl_steps, threads) for v in chosen]
+    offline = dpo(out, model, version, 12 if args.quick else args.rm_steps, threads)
     summary = {"version": version.name, "runs": results, "dpo": offline}
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     plot(results, offline["gold"], out / "overoptimization.png")

@@ -40,7 +40,8 @@ def agentic_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, st
     shutil.copy(ROOT / "examples" / "agentic.toml", workdir / "examples" / "agentic.toml")
     run_dir = workdir / "run"
     argv = [sys.executable, "-m", "rlfabric.cli", "up", "examples/agentic.toml", "--run-dir", str(run_dir),
-            "--steps", str(STEPS), "--no-progress"]  # fmt: skip
+            "--steps", str(STEPS), "--no-progress",
+            "--learner-threads", "1"]  # fmt: skip  # beside another test worker (and the measured rounding)
     result = subprocess.run(
         argv,
         cwd=workdir,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -88,6 +89,39 @@ def test_learner_cores_confine_each_learner_with_a_torch_thread_per_core(
     alone = stack_mod.learner_process(stack, parse(), runs[0].spec, "redis://x")
     assert (alone.cpus, alone.env["OMP_NUM_THREADS"]) == (None, "1") and "--cpus" not in alone.command()
     assert "compute_lock" not in yaml.safe_load((tmp_path / "learner.yaml").read_text())
+
+
+def test_a_learner_alone_takes_every_core_one_beside_replicas_and_the_flag_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner with nothing beside it (an offline preference run's; a warm start's, an SFT or
+    reward-model run file's: `learner_env` with the cores it may use) takes a torch thread per core this
+    process may use, shared by its ranks; OMP_NUM_THREADS from the environment comes before any default;
+    --learner-threads before everything."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = replica_spec(tmp_path)
+    stack = stack_mod.Stack(tmp_path)
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(*argv: str, alone: bool = False) -> str:
+        proc = stack_mod.learner_process(stack, parse(*argv), spec, "redis://x", alone=alone)
+        return proc.env["OMP_NUM_THREADS"]
+
+    assert threads() == "1" and threads(alone=True) == str(cores)
+    assert threads("--learner-ranks", "2", alone=True) == str(max(1, cores // 2))
+    assert threads("--learner-cores", "0-3", alone=True) == "4"  # its cores, not the machine's
+    assert threads("--learner-threads", "3") == threads("--learner-threads", "3", alone=True) == "3"
+    assert stack_mod.learner_env(parse(), 0)["OMP_NUM_THREADS"] == "1"  # at least one
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert threads() == threads(alone=True) == threads("--learner-cores", "0-3") == "6"
+    assert threads("--learner-threads", "2", "--learner-cores", "0-3") == "2"
+    assert stack_mod.learner_env(parse("--learner-threads", "5"), 1)["OMP_NUM_THREADS"] == "5"
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "x", "1025"])
+def test_learner_threads_out_of_range_are_refused(text: str) -> None:
+    with pytest.raises(SystemExit):
+        parse("--learner-threads", text)
 
 
 def test_the_compile_cache_is_shared_by_runs_unless_the_caller_chooses(

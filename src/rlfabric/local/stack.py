@@ -279,7 +279,7 @@ def run_args(args: argparse.Namespace, run: FleetRun) -> argparse.Namespace:
 
 def start_offline_services(stack: Stack, args: argparse.Namespace, spec: Any, redis_url: str) -> Services:
     """An offline preference run's learner and coordinator: nothing generates or scores."""
-    learner = stack.launch(learner_process(stack, args, spec, redis_url), OFFLINE_LEARNER_READY)
+    learner = stack.launch(learner_process(stack, args, spec, redis_url, alone=True), OFFLINE_LEARNER_READY)
     coordinator = coordinator_process(stack, args, spec, redis_url, reward_address=None)
     url = stack.start(coordinator, COORDINATOR_READY)
     stack.wait(learner)
@@ -571,11 +571,13 @@ def learner_process(
     name: str = "learner",
     config: str = "learner.yaml",
     index: int = 0,
+    alone: bool = False,
 ) -> ServiceProcess:
     """The run's learner (not started), its settings in `config` in the run directory; with
     `--learner-cores`, on the `index`th entry's cores (modulo their count), one torch thread per core (the
     ranks of `--learner-ranks` share them) and taking turns to train with the other learners of that entry
-    (`compute_lock`, `learner.core_lock`)."""
+    (`compute_lock`, `learner.core_lock`). Its torch threads: `learner_env` (`alone`: nothing else
+    computes beside it)."""
     cores = args.learner_cores[index % len(args.learner_cores)] if args.learner_cores else None
     settings = {
         "run_id": spec.name,
@@ -595,7 +597,20 @@ def learner_process(
         argv += ["serve", "learner", "--config", str(path)]
     else:
         argv = cli("serve", "learner", "--config", str(path))
-    per_rank = len(cpu_list(cores)) // args.learner_ranks if cores else 1  # the ranks share the cores
-    threads = str(max(1, per_rank))  # one torch thread per core a rank may use
-    env = {"OMP_NUM_THREADS": threads, **os.environ}  # unless the caller chooses
-    return stack.process(name, argv, env, service="learner", cpus=cores)
+    if cores:  # one torch thread per core a rank may use: the ranks share the cores
+        default = len(cpu_list(cores)) // args.learner_ranks
+    else:
+        default = len(os.sched_getaffinity(0)) // args.learner_ranks if alone else 1
+    return stack.process(name, argv, learner_env(args, default), service="learner", cpus=cores)
+
+
+def learner_env(args: argparse.Namespace, default_threads: int) -> dict[str, str]:
+    """A learner's environment: this process's, with OMP_NUM_THREADS (torch's threads in each rank) from
+    `--learner-threads`, else from the environment, else `default_threads` (at least 1). A learner beside
+    the replicas defaults to one thread (its cores are theirs too: OpenMP threads waiting at every op's
+    barrier for a descheduled sibling made a step 4x slower on a busy 2-core machine), one that runs
+    alone (a warm start, an SFT, reward-model or offline preference run) to the cores it may use."""
+    chosen = getattr(args, "learner_threads", None)
+    if chosen:
+        return {**os.environ, "OMP_NUM_THREADS": str(chosen)}
+    return {"OMP_NUM_THREADS": str(max(1, default_threads)), **os.environ}

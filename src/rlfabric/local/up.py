@@ -70,7 +70,7 @@ STATE_FILE = "up.json"
 SAVED_OPTIONS = (
     "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
     "learner_ranks", "redis_url", "engine", "compile", "eager_start", "stand_in", "replica_cores",
-    "learner_cores", "lora",
+    "learner_cores", "learner_threads", "lora",
 )  # fmt: skip
 """The options `--resume` takes over from the first `up` of a run directory."""
 LOCAL_FLEET = "local"
@@ -196,7 +196,16 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU cores of each learner (and everything it starts), '|' between learners: learner i "
         "takes entry i modulo their count, with one torch thread per core, e.g. '--replica-cores 0 "
         "--learner-cores 1' keeps generation and training apart as on separate devices (default: any "
-        "core, one torch thread)",
+        "core; threads: --learner-threads)",
+    )
+    parser.add_argument(
+        "--learner-threads",
+        type=thread_count,
+        metavar="N",
+        help="torch threads of each learner rank, over OMP_NUM_THREADS (default: OMP_NUM_THREADS when "
+        "set; else one per core of --learner-cores; else every core this process may use for a learner "
+        "that runs alone (a warm start, an SFT, reward-model or offline preference run), shared by its "
+        "ranks, and 1 for a learner beside the replicas)",
     )
 
 
@@ -216,6 +225,13 @@ def lora_rank(text: str) -> int:
     """`--lora`: a rank from 1 to 1024."""
     if not text.isdigit() or not 1 <= int(text) <= 1024:
         raise argparse.ArgumentTypeError(f"expected a LoRA rank from 1 to 1024, got {text!r}")
+    return int(text)
+
+
+def thread_count(text: str) -> int:
+    """`--learner-threads`: a count of threads from 1 to 1024."""
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"expected a number of threads from 1 to 1024, got {text!r}")
     return int(text)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from rlfabric.learner.export import final_model_dir, is_committed
-from rlfabric.local.stack import OFFLINE_LEARNER_READY, Stack, cli
+from rlfabric.local.stack import OFFLINE_LEARNER_READY, Stack, cli, learner_env
 from rlfabric.runspec import RunSpec
 
 WARM_START_ID = "warm_start"
@@ -109,7 +109,7 @@ def run_learner(stack: Stack, args: argparse.Namespace, spec: RunSpec, run_id: s
     config = {"run_id": run_id, "log": {"format": "text"}, "run": json.loads(spec.model_dump_json())}
     path = stack.run_dir / f"{run_id}.learner.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {"OMP_NUM_THREADS": "1", **os.environ}  # one torch thread unless the caller chooses
+    env = learner_env(args, len(os.sched_getaffinity(0)) // args.learner_ranks)  # alone: every core
     proc = stack.process(f"learner-{run_id}", learner_argv(path, args.learner_ranks), env)
     stack.start(proc, OFFLINE_LEARNER_READY, timeout_s=START_TIMEOUT_S)
     assert proc.proc is not None
