@@ -10,6 +10,7 @@ import fnmatch
 import json
 import re
 import shlex
+import subprocess
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +99,8 @@ def install_targets() -> dict[str, list[str]]:
 def test_installs_through_install_sh_with_extras_pyproject_defines(path: Path) -> None:
     flavour = path.suffix.lstrip(".")
     runs = [r for s in stages(path) for r in s.all("RUN")]
-    assert f"rlfabric-install {flavour}" in runs, f"{path.name} runs {runs}"
+    steps = [f"rlfabric-install {flavour} {step}" for step in ("deps", "wheel", "package")]
+    assert [r for r in runs if r.startswith("rlfabric-install")] == steps, f"{path.name} runs {runs}"
     assert not any("pip install" in r for r in runs), "installs go through install.sh"
     targets = install_targets()[flavour]
     requested = {
@@ -107,6 +109,46 @@ def test_installs_through_install_sh_with_extras_pyproject_defines(path: Path) -
     if flavour != "light":
         assert flavour in requested, f"{flavour} installs {targets}"
     assert requested <= pyproject_extras(), f"extras missing from pyproject.toml: {requested}"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_dependencies_layer_does_not_see_the_source(path: Path) -> None:
+    """The dependencies install from pyproject.toml before any source is copied, and the final image
+    copies that stage's environment whole: a change to src/ rebuilds the wheel and the last layers only,
+    not gigabytes of torch and vLLM. The final stage installs the wheel and runs the install's checks."""
+    flavour = path.suffix.lstrip(".")
+    deps, wheel, runtime = stages(path)
+    assert (deps.name, wheel.name, wheel.base) == ("deps", "wheel", "deps")
+    copied = [w for copy in deps.all("COPY") for w in shlex.split(copy)[:-1]]
+    assert "pyproject.toml" in copied and not any(w.startswith("src") or w == "README.md" for w in copied)
+    assert f"rlfabric-install {flavour} deps" in deps.all("RUN")
+    assert "src ./src" in wheel.all("COPY")
+    assert runtime.all("COPY")[:2] == [
+        "--from=deps /opt/rlfabric /opt/rlfabric",
+        "--from=wheel /dist/ /dist/",
+    ]
+    assert runtime.all("RUN")[-1] == f"rlfabric-install {flavour} package"
+
+
+def test_the_dependencies_are_pyprojects_own(tmp_path: Path) -> None:
+    """install.sh's deps step installs what `pip install .[extras]` would: pyproject.toml's lists, read
+    by its own Python (run here on the repository's pyproject.toml)."""
+    script = INSTALL.read_text()
+    function = script[
+        script.index("requirements() {") : script.index("\n}\n", script.index("requirements() {")) + 2
+    ]
+    out = subprocess.run(
+        ["bash", "-c", f'{function}\nrequirements "torch==2.13.0" ".[cpu,s3]"'],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = data["optional-dependencies"]
+    assert out.stdout.split("\n")[:-1] == [
+        "torch==2.13.0",
+        *data["dependencies"],
+        *extras["cpu"],
+        *extras["s3"],
+    ]
 
 
 def test_cpu_image_pins_the_torch_the_cpu_extra_wants() -> None:
