@@ -56,8 +56,15 @@ build() {  # build FLAVOUR TAG [docker build args...]
   docker build -q --build-arg BASE_IMAGE="$base" -f "deploy/docker/Dockerfile.$flavour" -t "$tag" "$@" . \
     >"$run/build-$flavour.log" 2>&1
 }
+image() {  # image FLAVOUR: its dependencies' stage tagged (so the prune below keeps it and the next build
+  # reuses it: only a changed pyproject.toml or wheelhouse reinstalls them), then the image
+  local flavour="$1"
+  build "$flavour" "rlfabric/rlfabric:ci-$flavour-deps" --target deps \
+    && build "$flavour" "rlfabric/rlfabric:ci-$flavour" \
+    || { tail -n 40 "$run/build-$flavour.log" >&2; exit 1; }
+}
 say "light image"
-build light rlfabric/rlfabric:ci-light || { tail -n 40 "$run/build-light.log" >&2; exit 1; }
+image light
 say "a broken install must fail the build"
 if build light rlfabric/rlfabric:ci-broken --build-arg EXTRA_PACKAGES=rlfabric-no-such-package; then
   echo "the build with a missing package succeeded" >&2
@@ -66,7 +73,7 @@ fi
 grep -q "No matching distribution found for rlfabric-no-such-package" "$run/build-light.log" \
   || { tail -n 20 "$run/build-light.log" >&2; exit 1; }
 say "CPU image"
-build cpu rlfabric/rlfabric:ci-cpu || { tail -n 40 "$run/build-cpu.log" >&2; exit 1; }
+image cpu
 docker image ls rlfabric/rlfabric --format '{{.Repository}}:{{.Tag}} {{.Size}}'
 # Dangling layers of earlier builds: drop them so the cache does not grow run after run.
 docker image prune -f >/dev/null
