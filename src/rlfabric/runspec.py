@@ -193,6 +193,12 @@ class DatasetSpec(SpecModel):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     """The evaluation set and its sampling."""
 
+    @property
+    def evaluated(self) -> bool:
+        """True when the run evaluates held-out prompts: every k steps, on a separate set or the held-out
+        fraction."""
+        return self.eval_every_steps > 0 and (self.eval.separate or self.held_out_fraction > 0)
+
     @model_validator(mode="after")
     def _eval_is_never_trained_on(self) -> DatasetSpec:
         if not self.eval.separate:

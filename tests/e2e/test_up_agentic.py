@@ -4,10 +4,11 @@ BPE model, runs the supervised warm start (the SFT learner), then serves the TRL
 service, the learner and the coordinator. Only the number of RL steps is cut (`--steps`).
 
 What must hold: a random model cannot know a task's secret word without calling the tool (its reward is
-0), so a held-out reward well above 0 shows the agent calling the tool and copying its answer; every
-trajectory takes two model turns (the call, the answer); no more than 1 % of them failed (a sampled turn
-the template would render otherwise is dropped); later turns found their
-prefix in vLLM's cache; and the books balance (`rlfabric.tools.ledger`) from the run's own Redis.
+0), so a held-out reward well above 0, before the first RL step and at the end, shows the agent calling
+the tool and copying its answer; trajectories take two model turns (the call, the answer), seldom the
+spare third; no more than 1 % of them failed (a sampled turn the template would render otherwise is
+dropped); later turns found their prefix in vLLM's cache; and the books balance (`rlfabric.tools.ledger`)
+from the run's own Redis.
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ def test_the_warm_start_learned_the_demonstrations(agentic_run: Path) -> None:
 def test_the_agent_calls_the_tool_and_answers_held_out_tasks(agentic_run: Path) -> None:
     series = rows(agentic_run / "agentic" / "metrics.jsonl")
     assert [r["step"] for r in series] == list(range(1, STEPS + 1))
-    for row in series:
-        assert 1.8 <= row["turns_mean"] <= 2.2 and row["tool_calls_mean"] >= 0.8
+    for row in series:  # the call and the answer; a failed lookup (a wrong name) may be retried in the
+        # spare third turn: a quarter of a step's trajectories did once (2.25, success rate 0.45)
+        assert 1.8 <= row["turns_mean"] <= 2.5 and row["tool_calls_mean"] >= 0.8, row
     success = [row["tool_call_success_rate"] for row in series]
     assert sum(success) / len(success) > 0.5, success  # a step's 8 prompts name few people: it varies
-    evaluated = [r["eval_reward_mean"] for r in series if "eval_reward_mean" in r]
-    assert evaluated and max(evaluated) > 0.25, evaluated  # a model that does not use the tool scores 0
+    evaluated = [(r["eval_step"], r["eval_reward_mean"]) for r in series if "eval_reward_mean" in r]
+    # before the first step (the warm-started policy) and at the end (the policy the run ends with)
+    assert len(evaluated) == 2 and evaluated[-1][0] == STEPS, evaluated
+    assert min(reward for _, reward in evaluated) > 0.25, evaluated  # a model without the tool scores 0
 
 
 def test_trajectories_are_counted_and_the_books_balance(agentic_run: Path, books: redis.Redis) -> None:

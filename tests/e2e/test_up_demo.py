@@ -63,7 +63,12 @@ def test_reward_rises_and_metrics_rows_are_complete(demo_run: Path) -> None:
     first = sum(r["reward_mean"] for r in series[:3]) / 3
     last = sum(r["reward_mean"] for r in series[-3:]) / 3
     assert last > first + 0.1, (first, last)
-    assert any("eval_reward_mean" in r for r in series)
+    evaluated = [r for r in series if "eval_reward_mean" in r]
+    final = series[-1]  # the last row waited for the held-out evaluation of the policy the run ends with
+    assert (final["eval_step"], final["eval_policy_version"]) == (STEPS, final["policy_version"]), final
+    start = evaluated[0]  # `up`'s summary: the first and the final held-out reward
+    line = f"held-out reward: {start['eval_reward_mean']:.3f} at step {start['eval_step']} -> "
+    assert f"{line}{final['eval_reward_mean']:.3f} at step {STEPS}\n" in (demo_run / "up.out").read_text()
     assert (demo_run / "demo" / "curves.png").exists()
 
 

@@ -78,6 +78,7 @@ def test_stored_keys_never_change() -> None:
         "dropped": "rlfabric:{run}:dropped",
         "dropped_ids": "rlfabric:{run}:dropped_ids",
         "eval_results": "rlfabric:{run}:eval",
+        "final_eval": "rlfabric:{run}:final_eval",
         "groups": "rlfabric:{run}:groups",
         "dead_letters": "rlfabric:{run}:groups:dead",
         "dead_letter_ids": "rlfabric:{run}:groups:dead_ids",

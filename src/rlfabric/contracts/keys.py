@@ -168,6 +168,13 @@ def eval_results(run_id: str) -> str:
     return _run(run_id, "eval")
 
 
+@_key("string", writers="learner (its last step)", readers="coordinator (evaluation, which deletes it)")
+def final_eval(run_id: str) -> str:
+    """The step whose published weights the learner asks to be evaluated before it writes that step's
+    metrics row (its last one); the coordinator deletes it once the result is in `eval_results`."""
+    return _run(run_id, "final_eval")
+
+
 # --- the groups stream ------------------------------------------------------------------------------------
 
 

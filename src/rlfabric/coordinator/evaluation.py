@@ -1,5 +1,6 @@
-"""Held-out evaluation of a run: the evaluation prompts scored with the serving policy every k learner
-steps, never enqueued and never trained on.
+"""Held-out evaluation of a run: the evaluation prompts scored with the serving policy before the first
+learner step, every k steps and, when the learner asks for it (`keys.final_eval`), with the final policy;
+never enqueued and never trained on.
 
 The prompts are the separate evaluation set (`dataset.eval`) or the held-out fraction of the training
 set (`dataset.held_out_fraction`); each evaluation generates with `dataset.eval`'s sampling overrides and
@@ -71,14 +72,26 @@ class Evaluator:
         """Evaluation prompt ids a replica refused as too long: never evaluated again."""
 
     async def run(self, rows: list[PromptRow], source: EvalSource) -> None:
+        """Evaluates before the first step, every k steps, and the final policy when the learner asks
+        (`keys.final_eval`: it has published its last step's weights and waits for the result, so its
+        last metrics row carries the final policy's held-out reward). A request is answered (deleted)
+        even when nothing could be evaluated, so the learner never waits for nothing."""
         every = self.pipeline.spec.dataset.eval_every_steps
-        if not every or not rows:
+        if not every:
             return
+        request = keys.final_eval(self.pipeline.run_id)
         done = -1
         while True:
             cancel_point()
+            final = await self.pipeline.redis.get(request)
+            if final is not None:
+                step = int(final)
+                if rows:
+                    await self.evaluate(rows, step, source)
+                done = max(done, step // every)  # not again when the learner's step reaches it
+                await self.pipeline.redis.delete(request)
             step = await self.pipeline.learner_step()
-            if step // every > done:
+            if rows and step // every > done:
                 done = step // every
                 await self.evaluate(rows, step, source)
             await asyncio.sleep(POLL_S)

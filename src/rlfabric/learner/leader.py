@@ -47,6 +47,10 @@ from rlfabric.weights import versions as store
 
 log = logging.getLogger(__name__)
 SERVICE = full_service_name(learner_pb2, "LearnerService")
+FINAL_EVAL_TIMEOUT_S = 600.0
+"""How long the last step's row waits for the coordinator's evaluation of the final policy
+(`keys.final_eval`); then it is written without one."""
+FINAL_EVAL_POLL_S = 0.25
 
 
 class Status(learner_pb2_grpc.LearnerServiceServicer):
@@ -298,10 +302,13 @@ class Leader:
 
     async def report(self, metrics: dict[str, float], groups: int, applied: int) -> None:
         """One row per step: metrics.jsonl, the run's Redis metrics stream, GetStatus and the trackers
-        (with the curves after a checkpoint). `applied`
-        counts the groups applied in this lineage (a crash rolls it back with the checkpoint it restores)."""
+        (with the curves after a checkpoint); the last step's row after the final policy's held-out
+        evaluation (`final_evaluation`). `applied` counts the groups applied in this lineage (a crash
+        rolls it back with the checkpoint it restores)."""
         counters = self.source.counters
         counters.trained += groups
+        if self.trainer.step >= self.spec.train.steps and self.spec.dataset.evaluated:
+            await self.final_evaluation()
         row = self.build_row(metrics, counters)
         row.update(await self.take_eval_results())
         row.update(await self.rollout_utilisation())
@@ -331,6 +338,25 @@ class Leader:
         row["groups_rolled_back"] = counters.rolled_back
         row.update({f"queue_{k}": v for k, v in self.source.consumer.counters.as_dict().items()})
         return row
+
+    async def final_evaluation(self) -> None:
+        """Asks the coordinator to evaluate the final policy, already published (`keys.final_eval`), and
+        waits until it has (it deletes the request), so the run's last row carries the held-out reward
+        of the policy the run ends with; gives up after `FINAL_EVAL_TIMEOUT_S` or on a stop request."""
+        key = keys.final_eval(self.config.run_id)
+        await self.redis.set(key, self.trainer.step)
+        start = time.monotonic()
+        while await self.redis.exists(key):
+            if await self.stop_reason() is not None:
+                break
+            if time.monotonic() - start > FINAL_EVAL_TIMEOUT_S:
+                log.warning(
+                    "the final policy's evaluation did not finish within %.0f s; the last row has none",
+                    FINAL_EVAL_TIMEOUT_S,
+                )
+                break
+            await asyncio.sleep(FINAL_EVAL_POLL_S)
+        await self.redis.delete(key)
 
     async def take_eval_results(self) -> dict[str, float]:
         """Held-out results the coordinator pushed since the last row (the latest one wins)."""

@@ -360,8 +360,28 @@ def summarize(
         outs = sum(e.action == "out" for e in scaler.events)
         ins = len(scaler.events) - outs
         print(f"  autoscaling: {outs} added, {ins} removed, {scaler.failed_starts} failed to start")
+    held_out = held_out_line(run_path / "metrics.jsonl")
+    if held_out:
+        print(f"  {held_out}")
     for name, value in sorted((status.get("counters") or {}).items()):
         print(f"  {name}: {value}")
     print(f"  run directory: {run_path} (metrics.jsonl, checkpoints/, weights/, logs in {run_dir / 'logs'})")
     if png:
         print(f"  curves: {png}")
+
+
+def held_out_line(metrics: Path) -> str:
+    """The held-out reward of the run's first and last evaluations (its metrics rows' `eval_reward_mean`
+    and `eval_step`), e.g. "held-out reward: 0.007 at step 0 -> 0.880 at step 12"; "" without any."""
+    if not metrics.is_file():
+        return ""
+    evaluations = []
+    for line in metrics.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and "eval_reward_mean" in row:
+                evaluations.append((row.get("eval_step", row.get("step")), float(row["eval_reward_mean"])))
+    if not evaluations:
+        return ""
+    parts = [evaluations[0]] if len(evaluations) == 1 else [evaluations[0], evaluations[-1]]
+    return "held-out reward: " + " -> ".join(f"{reward:.3f} at step {step}" for step, reward in parts)

@@ -1,8 +1,8 @@
 """A run's separate evaluation set through the real pipeline (a reward service, a rollout replica on the
 reference engine, a stand-in learner): evaluation results come from the eval set (its prompts, its
-sampling), its rows are never dispatched for training, and prompts too long for the context, in either
-set, are refused by a replica once, then dropped (reason `prompt_too_long`, counted, warned about) without
-being dispatched again."""
+sampling), a final evaluation is answered when the learner asks for one, its rows are never dispatched
+for training, and prompts too long for the context, in either set, are refused by a replica once, then
+dropped (reason `prompt_too_long`, counted, warned about) without being dispatched again."""
 
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ async def test_eval_results_come_from_the_eval_set(
     try:
         await wait_until(lambda: _evaluations(redis, 2))
         await wait_until(lambda: _dropped_too_long(redis, 2))  # two epochs: the long prompt each time
+        await redis.set(keys.final_eval(RUN), 9_999)  # as the learner asks after publishing its last step
+        await wait_until(lambda: _answered(redis))
+        final = json.loads(await redis.lindex(keys.eval_results(RUN), -1))  # type: ignore[arg-type]
+        assert (final["step"], final["source"]) == (9_999, "eval_set"), final
     finally:
         stop.set()
         assert await asyncio.wait_for(run, 120) == "stopped"
@@ -111,6 +115,10 @@ async def test_eval_results_come_from_the_eval_set(
     assert any(w.startswith(TOO_LONG_WARNING) for w in record.warnings)
     await assert_books_balance(redis)
     await redis.aclose()
+
+
+async def _answered(redis: aioredis.Redis) -> bool:
+    return not await redis.exists(keys.final_eval(RUN))
 
 
 async def _evaluations(redis: aioredis.Redis, n: int) -> bool:
