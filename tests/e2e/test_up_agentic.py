@@ -29,7 +29,7 @@ from rlfabric.tools import ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-# The run (500 supervised steps, then the RL steps) is the fixture of the module's first test: ~10 min on
+# The run (800 supervised steps, then the RL steps) is the fixture of the module's first test: ~10 min on
 # a 2-core CPU computing in float32, more beside another test worker. Its limit, not the suite's 600 s.
 pytestmark = pytest.mark.timeout(1500)
 
