@@ -371,17 +371,18 @@ def summarize(
 
 
 def held_out_line(metrics: Path) -> str:
-    """The held-out reward of the run's first and last evaluations (its metrics rows' `eval_reward_mean`
-    and `eval_step`), e.g. "held-out reward: 0.007 at step 0 -> 0.880 at step 12"; "" without any."""
+    """The held-out reward of the run's first and last evaluations (`health.evaluations` of its metrics
+    rows), e.g. "held-out reward: 0.007 at step 0 -> 0.880 at step 12"; "" without any."""
+    from rlfabric.coordinator.health import evaluations
+
     if not metrics.is_file():
         return ""
-    evaluations = []
+    rows = []
     for line in metrics.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            row = json.loads(line)
-            if isinstance(row, dict) and "eval_reward_mean" in row:
-                evaluations.append((row.get("eval_step", row.get("step")), float(row["eval_reward_mean"])))
-    if not evaluations:
-        return ""
-    parts = [evaluations[0]] if len(evaluations) == 1 else [evaluations[0], evaluations[-1]]
-    return "held-out reward: " + " -> ".join(f"{reward:.3f} at step {step}" for step, reward in parts)
+        with contextlib.suppress(ValueError):  # a row being written
+            rows.append(json.loads(line))
+    found = [e for e in evaluations([r for r in rows if isinstance(r, dict)]) if e.proxy is not None]
+    parts = found[:1] + found[1:][-1:]  # the first and, when there are more, the last
+    return (
+        "held-out reward: " + " -> ".join(f"{e.proxy:.3f} at step {e.step}" for e in parts) if parts else ""
+    )
