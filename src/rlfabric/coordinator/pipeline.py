@@ -2,7 +2,8 @@
 
     loop until the learner finishes, the prompts run out, or a stop is requested:
       1. admit     wait until the policy-lag bound allows another group in flight:
-                   queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step
+                   queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step,
+                   and no more than the steps left can train: < (steps - step) * groups_per_step
       2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
       3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
                    only once it serves the learner's latest announced version (a run on a shared fleet:
@@ -278,13 +279,23 @@ class RunPipeline:
         """Groups the policy-lag bound lets be in flight or queued unread: (max_staleness + 1) steps."""
         return (1 + self.spec.rollout.max_staleness) * self.spec.train.groups_per_step
 
+    def groups_wanted(self, step: int) -> int:
+        """The most groups worth having in flight or queued when the learner has trained `step` steps:
+        the policy-lag bound, and no more than the steps left can train. Near a run's end a group past
+        that would only be generated, scored and left untrained (a drop, not a loss, but engine time
+        taken from the final evaluation and, on a shared fleet, from the other runs)."""
+        left = max(0, self.spec.train.steps - step) * self.spec.train.groups_per_step
+        return min(self.admit_bound, left)
+
     async def admits(self, step: int) -> bool:
         """Policy-lag bound: groups in flight plus groups queued and not yet trained or dropped by the
         learner stay within (max_staleness + 1) steps' worth, so every admitted group is trained within
         that many steps of the version it is generated with (which `generate` makes the latest one).
         A group the learner is training still counts: with max_staleness 0, generation of step t+1
-        starts only once step t is trained and published (synchronous on-policy)."""
-        return len(self.in_flight) + await self.queued_untrained() < self.admit_bound
+        starts only once step t is trained and published (synchronous on-policy). And within the steps
+        left (`groups_wanted`): a group the coordinator drops (one reward for all, a scorer failure) or
+        the learner drops (stale) leaves the count, so the last step still gets its groups."""
+        return len(self.in_flight) + await self.queued_untrained() < self.groups_wanted(step)
 
     async def queued_untrained(self) -> int:
         """Groups enqueued that the learner has neither trained (in its current lineage) nor dropped nor

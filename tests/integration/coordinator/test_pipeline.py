@@ -3,7 +3,7 @@ engine, as real `rlfabric serve rollout` processes registered in a real Redis), 
 consumes the stream. The reward service and the replicas require their tokens and the pipeline presents
 them (a pipeline without them would score, or generate, nothing). A replica added mid-run receives work;
 a replica SIGKILLed mid-run loses nothing: its groups are re-dispatched and every drawn prompt ends
-enqueued once, dropped with a reason, or in flight.
+enqueued once, dropped with a reason, or in flight. A run's last steps get exactly the groups they train.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def start_replica(tmp_path: Path, model: Path, redis_url: str, name: str) -> tup
     return proc, address
 
 
-def spec(tmp_path: Path, model: Path) -> RunSpec:
+def spec(tmp_path: Path, model: Path, steps: int = 10_000) -> RunSpec:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"say {i}"}) + "\n" for i in range(20)))
     return RunSpec.model_validate(
@@ -74,7 +74,7 @@ def spec(tmp_path: Path, model: Path) -> RunSpec:
             "dataset": {"path": str(data), "reference_field": None, "epochs": 100},
             "rollout": {"sampling": {"n": 2, "max_tokens": 8}, "max_staleness": 3},
             "reward": {"scorer": "length_penalty", "params": {"target_length": 4}},
-            "train": {"steps": 10_000, "groups_per_step": G},
+            "train": {"steps": steps, "groups_per_step": G},
         }
     )
 
@@ -90,6 +90,21 @@ async def fake_learner(redis: aioredis.Redis, done: asyncio.Event) -> None:
         read += len(deliveries)
         await redis.hset(f"rlfabric:{RUN}:counters", "groups_trained", read)
         await redis.set(f"rlfabric:{RUN}:step", read // G)
+
+
+async def stepwise_learner(redis: aioredis.Redis) -> None:
+    """Trains in whole steps, as the learner does: takes G groups, then reports the step and the groups
+    trained together."""
+    consumer = GroupConsumer(redis, RUN, "stepwise-learner", max_deliveries=3, claim_idle_ms=60_000)
+    trained = 0
+    while True:
+        batch = []
+        while len(batch) < G:
+            batch += await consumer.read(G - len(batch), block_ms=200)
+        await consumer.ack([d.entry_id for d in batch])
+        trained += len(batch)
+        await redis.hset(f"rlfabric:{RUN}:counters", "groups_trained", trained)
+        await redis.set(f"rlfabric:{RUN}:step", trained // G)
 
 
 async def tokens(address: str) -> int:
@@ -168,3 +183,38 @@ async def assert_books_balance(redis: aioredis.Redis) -> None:
     stream = await redis.xlen(keys.groups(RUN)) + await redis.hlen(keys.trimmed(RUN))  # trimmed: summaries
     assert counters["groups_queued"] == enqueued == stream
     assert counters["prompts_dispatched"] == enqueued + drops + in_flight, (counters, drops, in_flight)
+
+
+async def test_no_group_is_generated_past_the_steps_left(
+    tmp_path: Path, tiny_model_dir: Path, redis_url: str, reward_address: str
+) -> None:
+    """With 3 steps of lag allowed and 3 steps to train, the pipeline still queues only the 3 steps'
+    groups: the lag bound would admit 4 steps' worth, but a group past the last step would only be
+    generated, scored and left untrained."""
+    redis = aioredis.Redis.from_url(redis_url)
+    replica, _ = start_replica(tmp_path, tiny_model_dir, redis_url, "rollout-a")
+    steps = 3
+    pipeline = RunPipeline(
+        RUN,
+        spec(tmp_path, tiny_model_dir, steps=steps),
+        redis,
+        reward_address,
+        max_stream_length=64,
+        reward_token=REWARD_TOKEN,
+        rollout_token=ROLLOUT_TOKEN,
+    )
+
+    async def never() -> bool:
+        return False
+
+    learner = asyncio.get_running_loop().create_task(stepwise_learner(redis))
+    try:
+        assert await asyncio.wait_for(pipeline.run(never), 300) == "completed"
+    finally:
+        learner.cancel()
+        replica.stop()
+    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(f"rlfabric:{RUN}:counters")).items()}
+    assert counters["groups_queued"] == steps * G, counters
+    assert await redis.hlen(f"rlfabric:{RUN}:inflight") == 0
+    await assert_books_balance(redis)
+    await redis.aclose()
