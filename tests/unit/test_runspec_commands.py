@@ -14,7 +14,8 @@ COMMAND = re.compile(r"`rlfabric ((?:[a-z][a-z-]*)(?: [a-z][a-z-]*)*)")
 
 
 def named_commands() -> list[str]:
-    return sorted(set(COMMAND.findall(Path(rlfabric.runspec.__file__).read_text())))
+    text = "".join(path.read_text() for path in Path(rlfabric.runspec.__file__).parent.glob("*.py"))
+    return sorted(set(COMMAND.findall(text)))
 
 
 def test_the_schema_names_commands() -> None:
