@@ -181,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start every service as its own process on loopback, submit a run (the built-in demo "
         "when no run file is given), show its progress, and stop everything at the end or on Ctrl-C.",
     )
-    from rlfabric.local import up as up_cmd
+    from rlfabric.local import up_args
 
-    up_cmd.add_arguments(up)
+    up_args.add_arguments(up)
     runs = sub.add_parser("runs", help="submit, list, inspect and stop runs on a running coordinator")
     from rlfabric.coordinator import runs_cli
 

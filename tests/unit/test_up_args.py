@@ -18,7 +18,7 @@ import yaml
 
 from rlfabric.local import plot as up_plot
 from rlfabric.local import stack as stack_mod
-from rlfabric.local import up
+from rlfabric.local import up, up_args
 from rlfabric.local.credentials import Credentials
 from rlfabric.local.scaler import ScaleEvent, ScalePolicy
 from rlfabric.runspec import RunSpec
@@ -26,7 +26,7 @@ from rlfabric.runspec import RunSpec
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    up.add_arguments(parser)
+    up_args.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
