@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfabric.coordinator.api_docs import add_docs
 from rlfabric.coordinator.config import CoordinatorServiceConfig
-from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, run_health
+from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, length_limit, run_health
 from rlfabric.coordinator.http_metrics import RequestMetrics
 from rlfabric.coordinator.http_tracing import RequestSpans
 from rlfabric.coordinator.liveness import liveness_warnings
@@ -537,7 +537,7 @@ async def run_status(store: RunStore, run_id: str, learner_stall_s: float = LEAR
     """The body of `GET /v1/runs/{id}` (health warnings by the run's own `health` thresholds)."""
     record = await store.get(run_id)
     rows = await store.recent_metrics(run_id, HEALTH_ROWS)
-    health = run_health(rows, record.spec.health, max_tokens=record.spec.rollout.sampling.max_tokens)
+    health = run_health(rows, record.spec.health, limit=length_limit(record.spec))
     health += await liveness_warnings(store, record, learner_stall_s)
     warnings = record.warnings + [w for w in health if w not in record.warnings]
     return RunStatus(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
-from rlfabric.runspec import HealthCheck, HealthSpec
+from rlfabric.runspec import HealthCheck, HealthSpec, RunSpec
 from rlfabric.runspec import HealthThresholds as HealthThresholds
 
 Row = dict[str, Any]
@@ -196,23 +196,43 @@ def check_entropy_collapse(rows: Sequence[Row], t: HealthThresholds) -> HealthWa
     return None
 
 
+@dataclass(frozen=True)
+class LengthLimit:
+    """The most tokens a trained response can hold, and the setting that makes it so (the warning names
+    it)."""
+
+    tokens: int
+    setting: str
+
+
+def length_limit(spec: RunSpec) -> LengthLimit | None:
+    """What bounds a run's `response_length_mean`. Single-turn: the completion, `rollout.sampling.max_tokens`.
+    Multi-turn: the whole trajectory after the prompt, model and environment turns together, where
+    `max_tokens` bounds each model turn of several: `environment.max_total_tokens`, or None when that is 0
+    (the prompt's length decides what `model.max_model_len` leaves; only the relative checks apply)."""
+    if spec.environment is None:
+        return LengthLimit(spec.rollout.sampling.max_tokens, "rollout.sampling.max_tokens")
+    total = spec.environment.max_total_tokens
+    return LengthLimit(total, "environment.max_total_tokens") if total else None
+
+
 def check_response_length(
-    rows: Sequence[Row], t: HealthThresholds, max_tokens: int | None = None
+    rows: Sequence[Row], t: HealthThresholds, limit: LengthLimit | None = None
 ) -> HealthWarning | None:
-    """Response length running away (towards max_tokens, or far above its start) or collapsing."""
+    """Response length running away (towards its `limit`, or far above its start) or collapsing."""
     length = series(rows, "response_length_mean")
     if len(length) < t.window:
         return None
-    message = _length_problem(length, t, max_tokens)
+    message = _length_problem(length, t, limit)
     return HealthWarning("response_length", message, length[-t.window][0]) if message else None
 
 
 def _length_problem(
-    length: Sequence[tuple[int, float]], t: HealthThresholds, max_tokens: int | None
+    length: Sequence[tuple[int, float]], t: HealthThresholds, limit: LengthLimit | None
 ) -> str | None:
     start, now = _mean(length[: t.window]), _mean(length[-t.window :])
-    if max_tokens and now >= t.length_limit_fraction * max_tokens:
-        return f"response length runaway: mean {now:.1f} tokens is near max_tokens={max_tokens}"
+    if limit is not None and now >= t.length_limit_fraction * limit.tokens:
+        return f"response length runaway: mean {now:.1f} tokens is near {limit.setting}={limit.tokens}"
     if now < t.length_min_tokens:
         return f"response length collapse: mean {now:.2g} tokens"
     if len(length) < 2 * t.window:
@@ -246,7 +266,7 @@ def check_rollout_mismatch(rows: Sequence[Row], t: HealthThresholds) -> HealthWa
 
 
 def health_warnings(
-    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
+    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, limit: LengthLimit | None = None
 ) -> list[HealthWarning]:
     """Every check the series triggers, in a fixed order (empty for a healthy or too short series)."""
     t = thresholds or HealthThresholds()
@@ -254,7 +274,7 @@ def health_warnings(
         check_reward_hacking(rows, t),
         check_overfitting(rows, t),
         check_entropy_collapse(rows, t),
-        check_response_length(rows, t, max_tokens),
+        check_response_length(rows, t, limit),
         check_rollout_mismatch(rows, t),
         check_overoptimization(rows, t),
     ]
@@ -262,18 +282,18 @@ def health_warnings(
 
 
 def run_health(
-    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, max_tokens: int | None = None
+    rows: Sequence[Row], thresholds: HealthThresholds | None = None, *, limit: LengthLimit | None = None
 ) -> list[str]:
     """The messages of `health_warnings`."""
-    return [w.message for w in health_warnings(rows, thresholds, max_tokens=max_tokens)]
+    return [w.message for w in health_warnings(rows, thresholds, limit=limit)]
 
 
 def stopping_warning(
-    rows: Sequence[Row], spec: HealthSpec, *, max_tokens: int | None = None
+    rows: Sequence[Row], spec: HealthSpec, *, limit: LengthLimit | None = None
 ) -> HealthWarning | None:
     """The first triggered check the spec stops the run for, if any."""
     stops = set(spec.auto_stop)
-    return next((w for w in health_warnings(rows, spec, max_tokens=max_tokens) if w.check in stops), None)
+    return next((w for w in health_warnings(rows, spec, limit=limit) if w.check in stops), None)
 
 
 def last_good_checkpoint(rows: Sequence[Row], since_step: int, keep: int) -> int | None:

@@ -26,7 +26,7 @@ from rlfabric.contracts.keys import StopReason
 from rlfabric.coordinator.checks import model_warning, reward_warning
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.fleet import FleetScheduler
-from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, stopping_warning
+from rlfabric.coordinator.health import HEALTH_ROWS, last_good_checkpoint, length_limit, stopping_warning
 from rlfabric.coordinator.liveness import liveness_warnings
 from rlfabric.coordinator.offline import watch_offline
 from rlfabric.coordinator.pipeline import RunPipeline
@@ -182,7 +182,7 @@ class RunManager:
         stops before its next step and writes no further checkpoint, so the good ones stay)."""
         spec, run_id = record.spec, record.run_id
         rows = await self.store.recent_metrics(run_id, HEALTH_ROWS)
-        warning = stopping_warning(rows, spec.health, max_tokens=spec.rollout.sampling.max_tokens)
+        warning = stopping_warning(rows, spec.health, limit=length_limit(spec))
         if warning is None:
             return False
         await self.redis.set(keys.stop_requested(run_id), StopReason.HEALTH.value)

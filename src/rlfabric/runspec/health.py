@@ -46,7 +46,8 @@ class HealthThresholds(SpecModel):
     length_runaway_factor: float = Field(default=3.0, gt=1.0)
     """Length runaway: recent mean response length above this multiple of the first window's..."""
     length_limit_fraction: float = Field(default=0.95, gt=0.0, le=1.0)
-    """...or above this fraction of max_tokens (most completions are being truncated)."""
+    """...or above this fraction of max_tokens (most completions are being truncated; multi-turn runs:
+    of `environment.max_total_tokens`, a trajectory's budget)."""
     length_collapse_ratio: float = Field(default=0.25, gt=0.0, lt=1.0)
     """Length collapse: recent mean response length below this fraction of the first window's..."""
     length_min_tokens: float = Field(default=2.0, ge=0.0)

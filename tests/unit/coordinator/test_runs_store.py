@@ -12,11 +12,13 @@ from rlfabric.contracts.metrics import append_row
 from rlfabric.coordinator.health import (
     HealthThresholds,
     HealthWarning,
+    LengthLimit,
     check_entropy_collapse,
     check_overfitting,
     check_response_length,
     check_reward_hacking,
     check_rollout_mismatch,
+    length_limit,
     run_health,
 )
 from rlfabric.coordinator.runs import COUNTERS, InvalidTransition, RunExists, RunNotFound, RunStore
@@ -150,7 +152,7 @@ def test_healthy_series_has_no_warnings() -> None:
         response_length_mean=[100.0] * 20,
         rollout_mismatch_kl=[1e-4] * 20,
     )
-    assert run_health(steady, T, max_tokens=256) == []
+    assert run_health(steady, T, limit=LengthLimit(256, "rollout.sampling.max_tokens")) == []
     assert run_health([], T) == []
 
 
@@ -186,8 +188,27 @@ def test_response_length_runaway_and_collapse() -> None:
     near_limit = rows_of(response_length_mean=[250.0] * 5)
     assert "runaway" in said(check_response_length(grow, T))
     assert "collapse" in said(check_response_length(shrink, T))
-    assert "max_tokens" in said(check_response_length(near_limit, T, max_tokens=256))
+    limit = LengthLimit(256, "rollout.sampling.max_tokens")
+    assert "near rollout.sampling.max_tokens=256" in said(check_response_length(near_limit, T, limit))
     assert check_response_length(near_limit, T) is None
+
+
+def run_spec(**sections: Any) -> RunSpec:
+    return RunSpec.model_validate({"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}, **sections})
+
+
+def test_the_length_limit_of_a_multi_turn_run_is_its_trajectory_budget() -> None:
+    """A trajectory's response is every turn after the prompt (the agentic example's two turns: ~46
+    tokens, with 48 a turn), so a model turn's max_tokens is no limit on it."""
+    sampling = {"sampling": {"max_tokens": 48}}
+    single = length_limit(run_spec(rollout=sampling))
+    assert single == LengthLimit(48, "rollout.sampling.max_tokens")
+    budget = length_limit(run_spec(rollout=sampling, environment={"max_total_tokens": 160}))
+    assert budget == LengthLimit(160, "environment.max_total_tokens")
+    assert length_limit(run_spec(rollout=sampling, environment={})) is None  # up to max_model_len
+    two_turns = rows_of(response_length_mean=[46.0] * 5)
+    assert "runaway" in said(check_response_length(two_turns, T, single))
+    assert check_response_length(two_turns, T, budget) is None
 
 
 def test_rollout_mismatch_above_the_bound_or_drifting() -> None:
