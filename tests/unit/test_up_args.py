@@ -234,6 +234,19 @@ def test_curves_are_not_joined_across_a_learner_restart() -> None:
     assert up_plot.segments(RESTARTED, "kl") == []
 
 
+def test_an_evaluation_is_plotted_at_the_step_it_evaluated() -> None:
+    """The evaluation of step 20's policy reaches the learner's row of step 22: it is drawn at 20."""
+    rows = [
+        {"step": 1, "kl": 0.0, "eval_reward_mean": 0.5, "eval_step": 0},
+        {"step": 22, "kl": 0.0, "eval_reward_mean": 0.6, "eval_step": 20},
+        {"step": 23, "kl": 0.0},
+    ]
+    assert up_plot.segments(rows, "eval_reward_mean") == [[(0, 0.5), (20, 0.6)]]
+    assert up_plot.segments(rows, "kl") == [[(1, 0.0), (22, 0.0), (23, 0.0)]]
+    assert not up_plot.measured(rows, "kl")
+    assert up_plot.measured([{"step": 1, "kl": 0.0}, {"step": 2, "kl": 0.01}], "kl")
+
+
 def test_the_plot_marks_a_learner_restart(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     metrics = tmp_path / "metrics.jsonl"

@@ -23,14 +23,22 @@ def restart_steps(rows: list[dict[str, Any]]) -> list[int]:
 
 def segments(rows: list[dict[str, Any]], name: str) -> list[list[tuple[int, float]]]:
     """The (step, value) points of metric `name`, split at each learner-restart marker: a curve is never
-    joined across a restart (the steps after it repeat those rolled back)."""
+    joined across a restart (the steps after it repeat those rolled back). A held-out evaluation (`eval_*`)
+    is placed at the step whose policy it evaluated (`eval_step`), not at the later row that reports it."""
     parts: list[list[tuple[int, float]]] = [[]]
     for row in rows:
         if row.get("event") == RESTART_EVENT:
             parts.append([])
         elif isinstance(row.get(name), int | float) and "step" in row:
-            parts[-1].append((int(row["step"]), float(row[name])))
+            step = row.get("eval_step", row["step"]) if name.startswith("eval_") else row["step"]
+            parts[-1].append((int(step), float(row[name])))
     return [part for part in parts if part]
+
+
+def measured(rows: list[dict[str, Any]], name: str) -> bool:
+    """False for a metric that reads 0 at every step: KL without a reference (`algorithm.kl.coef = 0`
+    loads none), where a flat line at 0 would look like a measurement."""
+    return any(value for part in segments(rows, name) for _, value in part)
 
 
 def plot(metrics_path: Path, out: Path) -> Path | None:
@@ -58,6 +66,8 @@ def plot(metrics_path: Path, out: Path) -> Path | None:
             ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
         if any(segments(rows, name) for name in names[1:]):
             ax.legend(fontsize="small")
+        if names == ("kl",) and segments(rows, "kl") and not measured(rows, "kl"):
+            ax.text(0.5, 0.6, "not measured: algorithm.kl.coef = 0", ha="center", transform=ax.transAxes)
         ax.set_title(names[0])
         ax.set_xlabel("step")
     overoptimization(axes.flat[len(panels)], rows)
