@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.local.credentials import CredentialsError, for_run
+from rlfabric.local.procs import ServiceStartError
 from rlfabric.local.stack import (
     REDIS_READY,
     FleetRun,
@@ -64,6 +65,7 @@ from rlfabric.local.stack import (
     start_services,
 )
 from rlfabric.local.supervisor import Supervisor
+from rlfabric.local.warm_start import WarmStartFailed
 
 STATE_FILE = "up.json"
 """In the run directory: the options and run spec of the `up` that created it, read by `--resume`."""
@@ -325,7 +327,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"rlfabric up: run directory {chosen.run_dir}", flush=True)
     signal.signal(signal.SIGTERM, interrupt)
     bring = bring_up_fleet if chosen.runs else bring_up
-    return bring(chosen, Stack(chosen.run_dir, credentials), Supervisor())
+    try:
+        return bring(chosen, Stack(chosen.run_dir, credentials), Supervisor())
+    except (ServiceStartError, WarmStartFailed) as exc:  # everything stopped; the message names the log
+        print(f"rlfabric up: {exc}", file=sys.stderr)
+        return 1
 
 
 def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:

@@ -10,8 +10,9 @@ A warm start, before the online run's services start:
                 <output_dir>/<name>/warm_start/ (checkpoints, weights, metrics.jsonl, model/)
     2. reuse    a committed final model (`learner.export.is_committed`) is the result and nothing runs:
                 `up --resume` after the warm start finished
-    3. run      otherwise the learner until it exits; an interrupted or crashed warm start resumes from its
-                last checkpoint on `up --resume`; one that fails raises `WarmStartFailed`
+    3. run      otherwise the learner until it exits, its steps shown as they are written (a bar with the
+                loss, or a line at every tenth: `LearnerProgress`); an interrupted or crashed warm start
+                resumes from its last checkpoint on `up --resume`; one that fails raises `WarmStartFailed`
     4. hand on  the online spec starting from the final model: `model.path` is the final model, which the
                 reference and the critic follow unless `model.reference_path` or `model.critic_path` is
                 set; the `warm_start` section is dropped (the services never see it)
@@ -26,7 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,8 @@ WARM_START_ID = "warm_start"
 """The run id (and folder in the run's output folder) of a warm start."""
 START_TIMEOUT_S = 300.0
 """How long the learner may take to print its ready line."""
+POLL_S = 1.0
+"""How often `up` looks at the running learner and its new metrics rows."""
 
 
 class WarmStartFailed(RuntimeError):
@@ -113,9 +119,26 @@ def run_learner(stack: Stack, args: argparse.Namespace, spec: RunSpec, run_id: s
     proc = stack.process(f"learner-{run_id}", learner_argv(path, args.learner_ranks), env)
     stack.start(proc, OFFLINE_LEARNER_READY, timeout_s=START_TIMEOUT_S)
     assert proc.proc is not None
-    code = proc.proc.wait()
+    metrics = Path(spec.output_dir) / run_id / "metrics.jsonl"  # `up`'s output folder is local
+    shown = LearnerProgress(metrics, spec.train.steps, progress=not args.no_progress)
+    try:
+        while (code := proc.proc.poll()) is None:
+            time.sleep(POLL_S)
+            shown.poll()
+    finally:
+        shown.close()
     if code != 0:
-        raise WarmStartFailed(f"the learner of {run_id} exited with code {code}; its log: {proc.log_path}")
+        error = last_line(proc.tail)
+        log = proc.log_path
+        raise WarmStartFailed(f"the learner of {run_id} exited with code {code} ({error}); its log: {log}")
+
+
+def last_line(lines: Iterable[str]) -> str:
+    """What a failed process said last: the last exception line of its output (`OSError: ...`), else its
+    last non-empty line, without torchrun's `[rankN]:` prefix."""
+    found = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in lines]
+    errors = [line for line in found if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
+    return next((line for line in reversed(errors or found) if line), "no output")
 
 
 def learner_argv(config: Path, ranks: int) -> list[str]:
@@ -124,3 +147,47 @@ def learner_argv(config: Path, ranks: int) -> list[str]:
         return cli("serve", "learner", "--config", str(config))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     return [*argv, "-m", "rlfabric.cli", "serve", "learner", "--config", str(config)]
+
+
+class LearnerProgress:
+    """Follows an offline learner's metrics.jsonl while `up` waits for it: a bar of its steps with the
+    latest loss (and accuracy), or without a bar a line at every tenth of the run and at its end. A
+    resumed run's file already holds the rows before its checkpoint: the bar starts at the latest step."""
+
+    SHOWN = ("loss", "token_accuracy", "accuracy")
+
+    def __init__(self, metrics: Path, steps: int, *, progress: bool) -> None:
+        from tqdm import tqdm
+
+        self.metrics, self.steps, self.progress = metrics, steps, progress
+        self.offset, self.step, self.said = 0, 0, 0
+        self.bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
+
+    def poll(self) -> None:
+        """Reads the rows written since the last poll (a line still being written waits for the next)."""
+        if not self.metrics.exists():
+            return
+        with self.metrics.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            self.show(json.loads(line))
+
+    def show(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        shown = {k: f"{row[k]:.3g}" for k in self.SHOWN if isinstance(row.get(k), int | float)}
+        if step > self.step:
+            self.bar.update(step - self.step)
+            self.step = step
+        self.bar.set_postfix(shown, refresh=True)
+        tenth = max(1, self.steps // 10)
+        if not self.progress and (step // tenth > self.said or step == self.steps):
+            self.said = step // tenth
+            values = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"  step {step}/{self.steps}: {values}", flush=True)
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()
