@@ -28,6 +28,7 @@ ARGS = argparse.Namespace(
     replica_cores=None,
     learner_cores=None,
     replica_max_in_flight=None,
+    no_progress=True,
 )
 STEPS = 4
 
