@@ -4,7 +4,9 @@ The task is verifiable and deliberately small enough for two CPU cores: every pr
 words, for a reply made of the letter x; the reward is the fraction of the reply's characters that are
 "x" (0 for an empty reply). A randomly initialised 0.4 M-parameter model starts near 0.01 (one character
 in ~100) and climbs within a few minutes; held-out prompts use wordings never trained on, so their reward
-rising shows the policy learned the behaviour and not the prompts.
+rising shows the policy learned the behaviour and not the prompts. Solved, the policy writes x up to
+`max_tokens` every time (nothing rewards stopping earlier), so the run ends with the entropy-collapse and
+length-limit health warnings: expected here, and a live example of both.
 """
 
 from __future__ import annotations
