@@ -1,45 +1,42 @@
 """The coordinator's REST API (FastAPI): submit, list, inspect and stop runs; the run page; health; metrics.
 
 Routes under /v1 need `Authorization: Bearer <token>` when `config.api.token` is set (compared in constant
-time); /healthz, /metrics, the API docs (/docs, /redoc, /openapi.json: `api_docs`, no CDN) and the HTML
-shell of the run page do not (the page's script sends the token it is given, see `page.py`). Two kinds of
-token are accepted (`Caller`): the operator's `api.token`, which may do everything, and a run's own token,
-answered by `POST /v1/runs` once (`run_token`; Redis keeps only its digest, `runs.token_matches`), which
-may read and stop that run alone: another run's routes answer 403, the list of runs holds its run only,
-and submitting runs or preference builds needs the operator's (403). Bodies over
-`config.api.max_body_bytes` get 413, whether announced by Content-Length or streamed. The app only records
-runs; the pipeline manager hooks in with `on_submit` (awaited after a run is stored) and `on_stop` (awaited
-after a stop was recorded).
+time); /healthz, /metrics, the API docs (/docs, /redoc, /openapi.json: `api_docs`, no CDN) and the HTML shell
+of the run page do not (the page's script sends the token it is given, see `page.py`). Two kinds of token are
+accepted (`api_auth.Caller`): the operator's `api.token`, which may do everything, and a run's own token,
+answered by `POST /v1/runs` once (`run_token`; Redis keeps only its digest, `runs.token_matches`), which may
+read and stop that run alone: another run's routes answer 403, the list of runs holds its run only, and
+submitting runs or preference builds needs the operator's (403). Bodies over `config.api.max_body_bytes` get
+413 (`api_errors.BodyLimit`), whether announced by Content-Length or streamed. The app only records runs; the
+pipeline manager hooks in with `on_submit` (awaited after a run is stored) and `on_stop` (awaited after a
+stop was recorded).
 
 Inputs are bounded and confined: the run spec's types are strict and its integers bounded (see
-`runspec.SpecModel`); its dataset and model paths must lie in the configured `data_roots` /
-`model_roots` (422 naming the field, never saying whether the file exists); within them, a run that
-cannot run (unknown scorer or parameters, missing paths, model files that do not load, missing dataset
-columns: `rlfabric.validate`) is refused with 422 naming the field, when the app is given a check. Run
-ids and `since` stream ids are checked before Redis sees them. Every route's possible answers are in the
-OpenAPI document (`ROUTE_ERRORS`), each error with its body model.
+`runspec.SpecModel`); its dataset and model paths must lie in the configured `data_roots` / `model_roots`
+(422 naming the field, never saying whether the file exists); within them, a run that cannot run (unknown
+scorer or parameters, missing paths, model files that do not load, missing dataset columns:
+`rlfabric.validate`) is refused with 422 naming the field, when the app is given a check. Run ids and `since`
+stream ids are checked before Redis sees them. Every route's possible answers are in the OpenAPI document
+(`api_errors.ROUTE_ERRORS`), each error with its body model.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import cache
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import Counter
 from pydantic import AfterValidator, BaseModel
 from redis.asyncio import Redis
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rlfabric.coordinator.api_auth import Caller, RunId, Store, authenticate, bearer_auth, run_access
 from rlfabric.coordinator.api_docs import add_docs
+from rlfabric.coordinator.api_errors import BodyLimit, responses
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.health import HEALTH_ROWS, LEARNER_STALL_S, evaluations, length_limit, run_health
 from rlfabric.coordinator.http_metrics import RequestMetrics
@@ -55,9 +52,8 @@ from rlfabric.coordinator.runs import (
     RunState,
     RunStore,
     parse_stream_id,
-    token_run_id,
 )
-from rlfabric.runspec import RUN_NAME_PATTERN, RunSpec
+from rlfabric.runspec import RunSpec
 from rlfabric.runtime.metrics import metrics_response
 from rlfabric.runtime.paths import Roots, violations
 from rlfabric.validate import CheckReport
@@ -155,32 +151,6 @@ class MetricsPage(BaseModel):
     last_id: str | None
 
 
-class ErrorBody(BaseModel):
-    """Body of a 401, 403, 404, 409, 413 or 429: what went wrong, in words (never the content of a file)."""
-
-    detail: str
-
-
-class FieldError(BaseModel):
-    """One invalid input of a 422."""
-
-    loc: list[str | int]
-    """Where: `body`, `query` or `path`, then the field's path, e.g. ["body", "dataset", "path"]."""
-    msg: str
-    """What is wrong with it."""
-    type: str
-    """Machine-readable kind, e.g. `int_type`, `less_than_equal`, `path_not_allowed`."""
-
-
-class ValidationErrorBody(BaseModel):
-    """Body of a 422: every offending input, and all of them in one line naming each by its dotted path."""
-
-    detail: list[FieldError]
-    message: str
-    plan: dict[str, Any] | None = None
-    """With a run refused for its `resources`: its memory plan (`rlfabric plan --json`'s schema)."""
-
-
 class HealthBody(BaseModel):
     """Body of `GET /healthz`."""
 
@@ -190,199 +160,17 @@ class HealthBody(BaseModel):
     """With unavailable: the kind of error Redis gave (its class name, nothing more)."""
 
 
-ERROR_RESPONSES: dict[int, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
-    403: {"model": ErrorBody, "description": "A run's token on another run, or on an operator-only route"},
-    404: {"model": ErrorBody, "description": "No run has this id"},
-    409: {"model": ErrorBody, "description": "Conflict with the run's state or name"},
-    413: {"model": ErrorBody, "description": "Request body over api.max_body_bytes"},
-    422: {"model": ValidationErrorBody, "description": "Invalid input; each field named"},
-    429: {"model": ErrorBody, "description": "Too many preference builds queued (prefs.max_queued)"},
-}
-"""Every error the API answers, with its body model."""
-
-ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
-    "submit": (401, 403, 409, 413, 422),
-    "list_runs": (401, 413, 422),
-    "get_run": (401, 403, 404, 413, 422),
-    "get_metrics": (401, 403, 404, 413, 422),
-    "get_plan": (401, 403, 404, 413, 422),
-    "get_fleet": (401, 403, 413, 422),
-    "stop": (401, 403, 404, 409, 413, 422),
-    "healthz": (413,),
-    "prometheus": (413,),
-    "run_page": (413, 422),
-    "submit_prefs_build": (401, 403, 413, 422, 429),
-    "list_prefs_builds": (401, 403, 413, 422),
-    "get_prefs_build": (401, 403, 404, 413, 422),
-}
-"""The errors each route (by name) can answer: 413 from `BodyLimit` on every route, 401 on /v1, 403 where a
-run's token may not go (`Caller`; the list of runs shows such a token its own run instead)."""
-V1_ROUTES = frozenset(
-    {"submit", "list_runs", "get_run", "get_metrics", "get_plan", "stop", "get_fleet"}
-    | {"submit_prefs_build", "list_prefs_builds", "get_prefs_build"}
-)
-"""The routes under /v1 (JSON answers, bearer token)."""
-
-
-def responses(route: str) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI `responses` of a route: its errors from `ROUTE_ERRORS`. Errors are JSON even where the
-    route answers another media type (FastAPI would document them in the route's), so the /v1 routes
-    give the models and the others refer to them."""
-    if route in V1_ROUTES:
-        return {code: ERROR_RESPONSES[code] for code in ROUTE_ERRORS[route]}
-    return {code: _json_error(code) for code in ROUTE_ERRORS[route]}
-
-
-def _json_error(code: int) -> dict[str, Any]:
-    """The error's entry, its body model given only as a JSON schema reference: the models are in the
-    document's components because the /v1 routes name them."""
-    model, description = ERROR_RESPONSES[code]["model"], ERROR_RESPONSES[code]["description"]
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
 def _stream_id(value: str | None) -> str | None:
     if value is not None:
         parse_stream_id(value)
     return value
 
 
-RunId = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="The run's id (its name)")]
 SinceId = Annotated[
     str | None,
     Query(max_length=41, description="Stream id of the last row already held, e.g. 1700000000000-0"),
     AfterValidator(_stream_id),
 ]
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a request body over `max_bytes` (by Content-Length, or as it streams)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _too_large(self.max_bytes)(scope, receive, send)
-            return
-        await self.app(scope, self._counting(receive), send)
-
-    def _counting(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, _too_large_text(self.max_bytes))
-            return message
-
-        return counted
-
-
-def _too_large_text(max_bytes: int) -> str:
-    return f"request body larger than {max_bytes} bytes"
-
-
-def _too_large(max_bytes: int) -> JSONResponse:
-    return JSONResponse({"detail": _too_large_text(max_bytes)}, status.HTTP_413_CONTENT_TOO_LARGE)
-
-
-def _store(request: Request) -> RunStore:
-    store: RunStore = request.app.state.store
-    return store
-
-
-Store = Annotated[RunStore, Depends(_store)]
-
-
-_BEARER = HTTPBearer(
-    auto_error=False, description="The coordinator's api.token, or a run's own token (`run_token`)"
-)
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
-ANOTHER_RUN = "this token belongs to another run"
-"""The 403 of a run's token on another run's route."""
-OPERATOR_ONLY = "this route needs the operator's token (api.token); a run's token cannot use it"
-"""The 403 of a run's token where only the operator's may go (submitting runs, preference builds)."""
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a /v1 request: the operator (`run_id` None; also everyone when no `api.token` is set), or
-    the holder of one run's token."""
-
-    run_id: str | None = None
-    """The run whose token was presented; None for the operator."""
-
-    def check_run(self, run_id: str) -> None:
-        """403 unless the caller may act on `run_id` (whether or not that run exists)."""
-        if self.run_id is not None and self.run_id != run_id:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, ANOTHER_RUN)
-
-    def check_operator(self) -> None:
-        """403 unless the caller is the operator."""
-        if self.run_id is not None:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, OPERATOR_ONLY)
-
-
-OPERATOR = Caller()
-
-
-def _unauthorized() -> HTTPException:
-    return HTTPException(
-        status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-    )
-
-
-@cache
-def authenticate(token: str | None) -> Callable[..., Awaitable[Caller]]:
-    """A dependency naming the `Caller`: everyone is the operator when `token` is None; else the operator's
-    token or a run's own (both compared in constant time), 401 for anything else. One callable per token,
-    so FastAPI resolves it once per request however many dependencies name it. Those that name it give it
-    as a parameter's default (`= Depends(...)`, hence B008): an `Annotated` type naming a closure's
-    variable does not resolve under postponed annotations."""
-
-    async def caller(credentials: Credentials, store: Store) -> Caller:
-        if token is None:
-            return OPERATOR
-        given = credentials.credentials if credentials else ""
-        if hmac.compare_digest(given.encode(), token.encode()):
-            return OPERATOR
-        run_id = token_run_id(given)
-        if run_id is not None and await store.token_matches(run_id, given):
-            return Caller(run_id)
-        raise _unauthorized()
-
-    return caller
-
-
-@cache
-def bearer_auth(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency for operator-only routes: any request when `token` is None, else only the operator's
-    token (401 for a wrong one, 403 for a run's own)."""
-
-    async def check(caller: Caller = Depends(authenticate(token))) -> None:  # noqa: B008
-        caller.check_operator()
-
-    return check
-
-
-@cache
-def run_access(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency for the routes of one run (`{run_id}` in the path): the operator, or that run's token
-    (403 for another run's)."""
-
-    async def check(run_id: RunId, caller: Caller = Depends(authenticate(token))) -> None:  # noqa: B008
-        caller.check_run(run_id)
-
-    return check
 
 
 async def validation_error(_: Request, exc: Exception) -> JSONResponse:

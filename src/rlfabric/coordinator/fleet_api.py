@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from rlfabric.contracts import fleet, keys, registry
 from rlfabric.contracts.streams import as_str
-from rlfabric.coordinator.api import bearer_auth, responses
+from rlfabric.coordinator.api_auth import bearer_auth
+from rlfabric.coordinator.api_errors import responses
 from rlfabric.runspec import RUN_NAME_PATTERN
 
 FleetName = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="The fleet's name (`rollout.fleet`)")]

@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel, Field
 
-from rlfabric.coordinator.api import RunId, Store, authenticate, responses, run_access
+from rlfabric.coordinator.api_auth import RunId, Store, authenticate, run_access
+from rlfabric.coordinator.api_errors import responses
 from rlfabric.runspec import RunSpec
 
 MEMORY_KEY_PART = "memory"

@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response,
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from rlfabric.coordinator.api import bearer_auth, responses
+from rlfabric.coordinator.api_auth import bearer_auth
+from rlfabric.coordinator.api_errors import responses
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.prefs_builds import (
     BUILD_ID_PATTERN,

@@ -20,16 +20,8 @@ from redis.asyncio import Redis
 
 from rlfabric.contracts.metrics import append_row
 from rlfabric.coordinator import runs_cli
-from rlfabric.coordinator.api import (
-    ErrorBody,
-    HealthBody,
-    MetricsPage,
-    RunList,
-    RunStatus,
-    SubmittedRun,
-    ValidationErrorBody,
-    create_app,
-)
+from rlfabric.coordinator.api import HealthBody, MetricsPage, RunList, RunStatus, SubmittedRun, create_app
+from rlfabric.coordinator.api_errors import ErrorBody, ValidationErrorBody
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.fleet_api import FleetBody
 from rlfabric.coordinator.manager import RunManager

@@ -19,7 +19,8 @@ from redis.asyncio import Redis
 
 from rlfabric.contracts import keys
 from rlfabric.coordinator import runs_cli
-from rlfabric.coordinator.api import ANOTHER_RUN, OPERATOR_ONLY, create_app
+from rlfabric.coordinator.api import create_app
+from rlfabric.coordinator.api_auth import ANOTHER_RUN, OPERATOR_ONLY
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.runs import TOKEN_DIGEST_FIELD
 

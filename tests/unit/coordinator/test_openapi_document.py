@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
 
-from rlfabric.coordinator.api import ERROR_RESPONSES, ROUTE_ERRORS, create_app
+from rlfabric.coordinator.api import create_app
+from rlfabric.coordinator.api_errors import ERROR_RESPONSES, ROUTE_ERRORS
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 
 

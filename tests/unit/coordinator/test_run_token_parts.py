@@ -7,7 +7,8 @@ import hashlib
 import pytest
 from fastapi import HTTPException
 
-from rlfabric.coordinator.api import ANOTHER_RUN, OPERATOR, OPERATOR_ONLY, Caller, create_app
+from rlfabric.coordinator.api import create_app
+from rlfabric.coordinator.api_auth import ANOTHER_RUN, OPERATOR, OPERATOR_ONLY, Caller
 from rlfabric.coordinator.config import CoordinatorServiceConfig
 from rlfabric.coordinator.runs import new_run_token, token_digest, token_run_id
 
