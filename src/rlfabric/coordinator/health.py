@@ -90,6 +90,26 @@ def check_reward_hacking(rows: Sequence[Row], t: HealthThresholds) -> HealthWarn
     return None
 
 
+def check_reward_collapse(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """The last window's training reward at least `reward_collapse_drop` below the best window before it:
+    a policy that had learned and lost it (a step too large, samples too stale, a broken scorer). KL and
+    entropy need not move (the agentic example at lr 1e-3 fell from 0.9 to 0 with rising entropy).
+    `since_step` is the first step after the best window: checkpoints up to it hold the better policy."""
+    reward, w = series(rows, "reward_mean"), t.window
+    if len(reward) < 2 * w:
+        return None
+    now = _mean(reward[-w:])
+    windows = [(_mean(reward[i : i + w]), i) for i in range(len(reward) - 2 * w + 1)]  # all before the last
+    best, start = max(windows, key=lambda window: (window[0], -window[1]))  # the first of equal bests
+    if best - now < t.reward_collapse_drop:
+        return None
+    message = (
+        f"reward collapse: the training reward fell {best:.3g} -> {now:.3g} (steps {reward[start][0]}-"
+        f"{reward[start + w - 1][0]} vs the last {w}); the policy of the best steps is the one to keep"
+    )
+    return HealthWarning("reward_collapse", message, reward[start + w][0])
+
+
 def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
     """Training reward rising while the held-out reward falls over the last `eval_points` evaluations."""
     evals, reward = series(rows, "eval_reward_mean"), series(rows, "reward_mean")
@@ -272,6 +292,7 @@ def health_warnings(
     t = thresholds or HealthThresholds()
     found = [
         check_reward_hacking(rows, t),
+        check_reward_collapse(rows, t),
         check_overfitting(rows, t),
         check_entropy_collapse(rows, t),
         check_response_length(rows, t, limit),

@@ -18,6 +18,7 @@ HealthCheck = Literal[
     "response_length",
     "rollout_mismatch",
     "overoptimization",
+    "reward_collapse",
 ]
 """The run-health checks (see `rlfabric.coordinator.health`)."""
 
@@ -33,6 +34,9 @@ class HealthThresholds(SpecModel):
     """...with the earlier KL taken as at least this (so KL rising from ~0 must reach a real size)..."""
     reward_jump: float = Field(default=0.1, gt=0.0)
     """...while the mean reward rose by at least this much between the two windows."""
+    reward_collapse_drop: float = Field(default=0.3, gt=0.0)
+    """Reward collapse: the last window's mean training reward is at least this much (in the reward's
+    units) below the best earlier window's: a policy that had it and lost it."""
     eval_points: int = Field(default=3, ge=2, le=MAX_KEEP)
     """Overfitting: held-out evaluations compared (the first and the last of the most recent ones)."""
     eval_drop: float = Field(default=0.02, gt=0.0)

@@ -16,6 +16,7 @@ from rlfabric.coordinator.health import (
     check_entropy_collapse,
     check_overfitting,
     check_response_length,
+    check_reward_collapse,
     check_reward_hacking,
     check_rollout_mismatch,
     length_limit,
@@ -164,6 +165,20 @@ def test_reward_hacking_needs_kl_and_reward_to_jump_together() -> None:
     assert check_reward_hacking(only_kl, T) is None
     assert check_reward_hacking(only_reward, T) is None
     assert check_reward_hacking(both[:9], T) is None  # too short
+
+
+def test_reward_collapse_is_a_fall_from_the_best_earlier_window() -> None:
+    """The agentic example at lr 1e-3: 0.83, 0.86, 0.91, 0.55, 0.16, then 0, with its entropy rising."""
+    fell = rows_of(reward_mean=[0.83, 0.86, 0.91, 0.55, 0.16, 0.02, 0.0, 0.0, 0.0, 0.0])
+    warning = check_reward_collapse(fell, T)
+    assert warning is not None and warning.check == "reward_collapse" and warning.since_step == 6
+    assert "fell 0.662 -> 0.004 (steps 1-5 vs the last 5)" in warning.message
+    noisy = rows_of(reward_mean=[0.8, 0.9, 0.7, 0.95, 0.75, 0.6, 0.85, 0.9, 0.7, 0.8, 0.65, 0.9])
+    rising = rows_of(reward_mean=[0.01 * i for i in range(40)])
+    assert check_reward_collapse(noisy, T) is None  # the agentic example's spread at lr 2e-4
+    assert check_reward_collapse(rising, T) is None
+    assert check_reward_collapse(fell[:9], T) is None  # too short for two windows
+    assert "reward collapse" in " ".join(run_health(fell, T))
 
 
 def test_overfitting_train_up_eval_down() -> None:
