@@ -36,6 +36,26 @@ def test_a_line_at_every_tenth_and_the_end(tmp_path: Path, capsys: pytest.Captur
     assert shown.step == 20
 
 
+def test_a_run_that_ends_before_its_steps_says_where_it_ended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SFT run ends with its epochs, far short of `train.steps` (an upper bound): a line every
+    `LINE_EVERY_S`, and its last step at the end."""
+    metrics = tmp_path / "metrics.jsonl"
+    shown = LearnerProgress(metrics, 10_000, progress=False)
+    append(metrics, row(1, 1.0))
+    shown.poll()
+    assert capsys.readouterr().out == ""  # not yet a tenth, nor LINE_EVERY_S
+    monkeypatch.setattr(LearnerProgress, "LINE_EVERY_S", 0.0)
+    append(metrics, row(2, 0.5))
+    shown.poll()
+    assert capsys.readouterr().out == "  step 2/10000: loss=0.5 token_accuracy=0.5\n"
+    monkeypatch.setattr(LearnerProgress, "LINE_EVERY_S", 3600.0)
+    append(metrics, row(3, 0.25))
+    shown.close()
+    assert capsys.readouterr().out == "  step 3/10000: loss=0.25 token_accuracy=0.5\n"
+
+
 def test_a_resumed_run_starts_at_its_latest_step(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(row(step, 0.1) for step in range(1, 51)))

@@ -151,16 +151,21 @@ def learner_argv(config: Path, ranks: int) -> list[str]:
 
 class LearnerProgress:
     """Follows an offline learner's metrics.jsonl while `up` waits for it: a bar of its steps with the
-    latest loss (and accuracy), or without a bar a line at every tenth of the run and at its end. A
-    resumed run's file already holds the rows before its checkpoint: the bar starts at the latest step."""
+    latest loss (and accuracy), or without a bar a line at every tenth of `train.steps`, at least every
+    `LINE_EVERY_S` (an SFT run that ends with its epochs may stop far short of `train.steps`), and at its
+    last step. A resumed run's file already holds the rows before its checkpoint: the bar starts at the
+    latest step."""
 
     SHOWN = ("loss", "token_accuracy", "accuracy")
+    LINE_EVERY_S = 30.0
 
     def __init__(self, metrics: Path, steps: int, *, progress: bool) -> None:
         from tqdm import tqdm
 
         self.metrics, self.steps, self.progress = metrics, steps, progress
         self.offset, self.step, self.said = 0, 0, 0
+        self.last_line, self.told = time.monotonic(), 0
+        self.latest: dict[str, str] = {}
         self.bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
 
     def poll(self) -> None:
@@ -178,16 +183,27 @@ class LearnerProgress:
     def show(self, row: dict[str, Any]) -> None:
         step = int(row.get("step", 0))
         shown = {k: f"{row[k]:.3g}" for k in self.SHOWN if isinstance(row.get(k), int | float)}
-        if step > self.step:
-            self.bar.update(step - self.step)
-            self.step = step
+        if step <= self.step:
+            return  # a row of a step already shown (a resumed run repeats the steps it rolled back)
+        self.bar.update(step - self.step)
+        self.step, self.latest = step, shown
         self.bar.set_postfix(shown, refresh=True)
         tenth = max(1, self.steps // 10)
-        if not self.progress and (step // tenth > self.said or step == self.steps):
+        due = time.monotonic() - self.last_line >= self.LINE_EVERY_S
+        if step // tenth > self.said or step == self.steps or due:
             self.said = step // tenth
-            values = " ".join(f"{k}={v}" for k, v in shown.items())
-            print(f"  step {step}/{self.steps}: {values}", flush=True)
+            self.say()
+
+    def say(self) -> None:
+        """Without a bar: one line with the latest step and its metrics."""
+        self.last_line, self.told = time.monotonic(), self.step
+        if not self.progress:
+            values = " ".join(f"{k}={v}" for k, v in self.latest.items())
+            print(f"  step {self.step}/{self.steps}: {values}", flush=True)
 
     def close(self) -> None:
+        """Reads the last rows and, without a bar, tells the last step if no line did."""
         self.poll()
+        if self.step > self.told:
+            self.say()
         self.bar.close()
