@@ -209,7 +209,15 @@ def run_routes(
 ) -> APIRouter:
     """The /v1 routes; specs may name paths only within `roots`, and must pass `check` when given."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate(token))], tags=["runs"])
-    one_run = [Depends(run_access(token))]
+    add_run_list_routes(router, token, roots, on_submit, check)
+    add_one_run_routes(router, token, on_stop, learner_stall_s)
+    return router
+
+
+def add_run_list_routes(
+    router: APIRouter, token: str | None, roots: Roots, on_submit: RunHook | None, check: SpecCheck | None
+) -> None:
+    """`POST /v1/runs` (the operator's token only) and `GET /v1/runs`."""
 
     @router.post(
         "/runs",
@@ -242,6 +250,13 @@ def run_routes(
         """Runs, newest first (optionally only those in the given states); a run's token sees its run only."""
         records = await visible_runs(store, caller, limit, set(state) if state else None)
         return RunList(runs=[_summary(r) for r in records])
+
+
+def add_one_run_routes(
+    router: APIRouter, token: str | None, on_stop: RunHook | None, learner_stall_s: float
+) -> None:
+    """The routes of one run, `/v1/runs/{run_id}...`: the operator's token or that run's own."""
+    one_run = [Depends(run_access(token))]
 
     @router.get(
         "/runs/{run_id}", response_model=RunStatus, responses=responses("get_run"), dependencies=one_run
@@ -281,8 +296,6 @@ def run_routes(
         if on_stop is not None:
             await on_stop(record)
         return record
-
-    return router
 
 
 async def visible_runs(

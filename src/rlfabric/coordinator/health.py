@@ -150,6 +150,12 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def evaluated_step(row: Row, own: int) -> int:
+    """The step whose policy a row's evaluation scored: `eval_step`, else the row's own step `own` (the
+    learner writes an evaluation into a later row than the step it evaluated)."""
+    return int(row["eval_step"]) if _number(row.get("eval_step")) is not None else own
+
+
 def evaluations(rows: Sequence[Row]) -> list[Evaluation]:
     """Every evaluation the rows carry (a row with `eval_reward_mean` or `eval_gold_reward_mean`), in row
     order."""
@@ -159,8 +165,7 @@ def evaluations(rows: Sequence[Row]) -> list[Evaluation]:
         proxy, gold = _number(row.get("eval_reward_mean")), _number(row.get("eval_gold_reward_mean"))
         if proxy is None and gold is None:
             continue
-        own = row.get("step", index)
-        step = int(row["eval_step"]) if _number(row.get("eval_step")) is not None else int(own)
+        step = evaluated_step(row, int(row.get("step", index)))
         version = _number(row.get("eval_policy_version"))
         kl = kl_at.get(step)
         kl = _number(row.get("kl")) if kl is None else kl

@@ -24,14 +24,18 @@ def restart_steps(rows: list[dict[str, Any]]) -> list[int]:
 def segments(rows: list[dict[str, Any]], name: str) -> list[list[tuple[int, float]]]:
     """The (step, value) points of metric `name`, split at each learner-restart marker: a curve is never
     joined across a restart (the steps after it repeat those rolled back). A held-out evaluation (`eval_*`)
-    is placed at the step whose policy it evaluated (`eval_step`), not at the later row that reports it."""
+    is placed at the step whose policy it evaluated (`health.evaluated_step`), not at the later row that
+    reports it."""
+    from rlfabric.coordinator.health import evaluated_step
+
     parts: list[list[tuple[int, float]]] = [[]]
     for row in rows:
         if row.get("event") == RESTART_EVENT:
             parts.append([])
         elif isinstance(row.get(name), int | float) and "step" in row:
-            step = row.get("eval_step", row["step"]) if name.startswith("eval_") else row["step"]
-            parts[-1].append((int(step), float(row[name])))
+            step = int(row["step"])
+            step = evaluated_step(row, step) if name.startswith("eval_") else step
+            parts[-1].append((step, float(row[name])))
     return [part for part in parts if part]
 
 

@@ -92,6 +92,19 @@ async def fake_learner(redis: aioredis.Redis, done: asyncio.Event) -> None:
         await redis.set(f"rlfabric:{RUN}:step", read // G)
 
 
+def run_pipeline(run_spec: RunSpec, redis: aioredis.Redis, reward_address: str) -> RunPipeline:
+    """The run's pipeline, presenting the reward service's and the replicas' tokens."""
+    return RunPipeline(
+        RUN,
+        run_spec,
+        redis,
+        reward_address,
+        max_stream_length=64,
+        reward_token=REWARD_TOKEN,
+        rollout_token=ROLLOUT_TOKEN,
+    )
+
+
 async def stepwise_learner(redis: aioredis.Redis) -> None:
     """Trains in whole steps, as the learner does: takes G groups, then reports the step and the groups
     trained together."""
@@ -130,15 +143,7 @@ async def test_replica_joins_and_a_killed_replica_loses_nothing(
     first, _ = start_replica(tmp_path, tiny_model_dir, redis_url, "rollout-a")
     second = None
     stop, done = asyncio.Event(), asyncio.Event()
-    pipeline = RunPipeline(
-        RUN,
-        spec(tmp_path, tiny_model_dir),
-        redis,
-        reward_address,
-        max_stream_length=64,
-        reward_token=REWARD_TOKEN,
-        rollout_token=ROLLOUT_TOKEN,
-    )
+    pipeline = run_pipeline(spec(tmp_path, tiny_model_dir), redis, reward_address)
 
     async def stop_requested() -> bool:
         return stop.is_set()
@@ -194,15 +199,7 @@ async def test_no_group_is_generated_past_the_steps_left(
     redis = aioredis.Redis.from_url(redis_url)
     replica, _ = start_replica(tmp_path, tiny_model_dir, redis_url, "rollout-a")
     steps = 3
-    pipeline = RunPipeline(
-        RUN,
-        spec(tmp_path, tiny_model_dir, steps=steps),
-        redis,
-        reward_address,
-        max_stream_length=64,
-        reward_token=REWARD_TOKEN,
-        rollout_token=ROLLOUT_TOKEN,
-    )
+    pipeline = run_pipeline(spec(tmp_path, tiny_model_dir, steps=steps), redis, reward_address)
 
     async def never() -> bool:
         return False
