@@ -108,14 +108,7 @@ def add_serve(sub: Any) -> None:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON configuration file")
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one key (dotted path, value parsed as YAML); repeatable",
-        )
+        add_set_argument(p, "override one key (dotted path, value parsed as YAML); repeatable")
         p.add_argument("--host", help=f"address to bind (sets {entry.host_key})")
         p.add_argument("--port", type=int, help=f"port to bind, 0 for any free one (sets {entry.port_key})")
         for flag, key, text in entry.flags:
@@ -132,12 +125,24 @@ def add_serve(sub: Any) -> None:
         )
 
 
+def add_set_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    """`--set KEY=VALUE`, repeatable, into `overrides` (applied by `runtime.config.load_config`)."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text
+    )
+
+
 def add_config_commands(sub: Any) -> None:
     cfg = sub.add_parser("config", help="inspect and check configuration")
     verbs = cfg.add_subparsers(dest="verb", required=True, metavar="VERB")
     check = verbs.add_parser("check", help="validate a run file (or a service config with --service)")
     check.add_argument("file")
     check.add_argument("--service", choices=sorted(SERVICES), help="validate as this service's config")
+    add_set_argument(
+        check,
+        "check the file with this key overridden (dotted path, value parsed as YAML), as "
+        "`up --set` and `serve --set` would run it; repeatable",
+    )
     check.add_argument(
         "--schema-only",
         action="store_true",
@@ -252,7 +257,7 @@ def run_config(args: argparse.Namespace) -> int:
     import json
 
     from rlfabric.runspec import RunSpec
-    from rlfabric.runtime.config import read_file, validate
+    from rlfabric.runtime.config import load_config
 
     if args.verb == "check-template":
         return check_template(args.model_dir)
@@ -261,7 +266,7 @@ def run_config(args: argparse.Namespace) -> int:
         print(json.dumps(model.model_json_schema(), indent=2))
         return 0
     model = SERVICES[args.service].config_model() if args.service else RunSpec
-    config = validate(model, read_file(args.file), args.file)
+    config = load_config(model, path=args.file, overrides=args.overrides)
     if isinstance(config, RunSpec) and not args.schema_only:
         return check_run_file(args.file, config)
     print(f"{args.file}: valid {model.__name__}")

@@ -238,3 +238,19 @@ def test_cli_config_check_run_file(tmp_path: Path) -> None:
     bad = run_cli("config", "check", str(write(tmp_path, "bad.toml", RUN_TOML + "\n[train]\nsteps = -1\n")))
     assert bad.returncode == 2
     assert "train.steps" in bad.stderr
+
+
+def test_cli_config_check_applies_set(tmp_path: Path) -> None:
+    run_file = str(write(tmp_path, "run.toml", RUN_TOML))
+    fixed = run_cli("config", "check", run_file, "--schema-only", "--set", "train.steps=3")
+    assert fixed.returncode == 0, fixed.stderr
+    bad = run_cli("config", "check", run_file, "--schema-only", "--set", "train.steps=-1")
+    assert bad.returncode == 2 and "(--set train.steps)" in bad.stderr and "train.steps" in bad.stderr
+
+
+def test_a_base_takes_the_files_place_and_errors_name_it() -> None:
+    base = ({"server": {"port": 7001}, "workers": 0}, "the built-in spec")
+    config = load_config(RewardServiceConfig, base=base, overrides=["workers=3"])
+    assert (config.server.port, config.workers) == (7001, 3) and base[0]["workers"] == 0
+    with pytest.raises(ConfigError, match=r"\(the built-in spec\)"):
+        load_config(RewardServiceConfig, base=({"workers": -1}, "the built-in spec"))

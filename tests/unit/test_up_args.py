@@ -205,6 +205,30 @@ def test_a_used_run_directory_needs_resume(tmp_path: Path, tiny_model_dir: Path)
         up.plan(parse("--resume", str(tmp_path)))
 
 
+def test_set_overrides_keys_of_the_run_file_or_the_demo_and_resume_keeps_them(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_file, data = tmp_path / "run.json", tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "p", "answer": "a"}\n')
+    run = {"model": {"path": str(tiny_model_dir)}, "dataset": {"path": str(data)}, "optim": {"lr": 1e-5}}
+    run_file.write_text(json.dumps(run))
+    sets = ["optim.lr=1e-3", "rollout.sampling.stop=['.']"]
+    overrides = ("--set", sets[0], "--set", sets[1], "--steps", "4")
+    first = up.plan(parse(str(run_file), "--run-dir", str(tmp_path / "d"), *overrides))
+    assert (first.spec.optim.lr, first.spec.rollout.sampling.stop, first.spec.train.steps) == (1e-3, ["."], 4)
+    resumed = up.plan(parse("--resume", str(tmp_path / "d")))
+    assert resumed.spec == first.spec and resumed.args.overrides == sets
+    with pytest.raises(ValueError, match="--set"):
+        up.plan(parse("--resume", str(tmp_path / "d"), "--set", "optim.lr=1"))
+    demo = up.load_spec(parse("--set", "optim.lr=0.5", "--set", "train.steps=3"), tmp_path)
+    assert (demo.name, demo.optim.lr, demo.train.steps) == ("demo", 0.5, 3)
+    assert up.run(parse(str(run_file), "--run-dir", str(tmp_path / "e"), "--set", "optim.lr=-1")) == 2
+    err = capsys.readouterr().err
+    assert "(--set optim.lr)" in err and "optim.lr: Input should be greater" in err
+    assert up.run(parse("--run-dir", str(tmp_path / "f"), "--set", "optim.lrr=1")) == 2
+    assert "optim.lrr: Extra inputs are not permitted" in capsys.readouterr().err
+
+
 def test_a_run_that_cannot_run_is_refused_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -235,7 +259,7 @@ def test_run_files_one_none_or_several() -> None:
         (["--runs", "1", "--lora", "8"], "--runs needs 2 or more"),
         (["--runs", "2", "--lora", "8", "r.toml"], "give run files or --runs, not both"),
         (["--runs", "2", "--lora", "8", "--replicas", "3", "--max-replicas", "2"], "must lie within"),
-        (["--resume", "d", "--runs", "2"], "--resume takes no run file, --runs or --run-dir"),
+        (["--resume", "d", "--runs", "2"], "--resume takes no run file, --runs, --run-dir or --set"),
     ],
 )
 def test_several_runs_refuse_what_they_cannot_do_before_anything_starts(

@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     submit = verbs.add_parser("submit", parents=[common], help="submit a run file (TOML, YAML or JSON)")
     submit.add_argument("run_file", metavar="RUN_FILE")
     submit.add_argument("--name", help="run name (overrides the file's)")
+    submit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key of the run file (dotted path, value parsed as YAML), e.g. --set "
+        "optim.lr=1e-3; repeatable; the coordinator validates the result",
+    )
     listing = verbs.add_parser("list", parents=[common], help="list runs, newest first")
     listing.add_argument("--json", action="store_true", help="print JSON")
     state = verbs.add_parser("status", parents=[common], help="state, progress, counters and warnings")
@@ -90,9 +99,11 @@ def _error_text(response: httpx.Response) -> str:
 def submit(client: httpx.Client, args: argparse.Namespace) -> int:
     """POST the run file; prints the run id (stdout), then the page URL and the run's own token (stderr:
     shown this once, the coordinator keeps only its digest)."""
-    from rlfabric.runtime.config import read_file
+    from rlfabric.runtime.config import parse_override, read_file, set_path
 
     spec = read_file(args.run_file)
+    for item in args.overrides:
+        set_path(spec, *parse_override(item))
     if args.name:
         spec["name"] = args.name
     record = _call(client, "POST", "/v1/runs", json=spec)

@@ -72,7 +72,7 @@ STATE_FILE = "up.json"
 SAVED_OPTIONS = (
     "run_file", "steps", "replicas", "min_replicas", "max_replicas", "scale_up_after", "scale_down_after",
     "learner_ranks", "redis_url", "engine", "compile", "eager_start", "stand_in", "replica_cores",
-    "learner_cores", "learner_threads", "lora",
+    "learner_cores", "learner_threads", "lora", "overrides",
 )  # fmt: skip
 """The options `--resume` takes over from the first `up` of a run directory."""
 LOCAL_FLEET = "local"
@@ -83,16 +83,20 @@ SEVERAL_RUNS = "not supported for several runs"
 
 def load_spec(args: argparse.Namespace, run_dir: Path, *, demo_name: str = "demo", demo_seed: int = 0) -> Any:
     """The run file's spec (the built-in demo's, named `demo_name`, prompts shuffled with `demo_seed`,
-    without one) with the options applied."""
+    without one) with the options applied: `--set` first, then --lora and --steps."""
     from rlfabric.coordinator.demo import demo_spec
     from rlfabric.runspec import LoraSpec, RunSpec
     from rlfabric.runtime.config import load_config
 
+    overrides = args.overrides
     if args.run_file:
-        spec = load_config(RunSpec, path=args.run_file)
+        spec = load_config(RunSpec, path=args.run_file, overrides=overrides)
     else:
         steps = args.steps or 40
         spec = demo_spec(run_dir, steps=steps, lora_rank=args.lora, name=demo_name, seed=demo_seed)
+        if overrides:
+            base = (spec.model_dump(mode="json"), "the built-in demo")
+            spec = load_config(RunSpec, base=base, overrides=overrides)
     updates: dict[str, Any] = {"output_dir": str(run_dir), "name": spec.name or f"run-{int(time.time())}"}
     if args.run_file and args.lora:
         lora = LoraSpec(rank=args.lora, alpha=2 * args.lora)
@@ -148,8 +152,10 @@ class Plan:
 def plan(args: argparse.Namespace) -> Plan:
     """The run directory, options and spec; ValueError (the message for the user) for bad options."""
     if args.resume is not None:
-        if args.runs is not None or args.run_files or args.run_dir:
-            raise ValueError("--resume takes no run file, --runs or --run-dir: it reuses those of the run(s)")
+        if args.runs is not None or args.run_files or args.run_dir or args.overrides:
+            raise ValueError(
+                "--resume takes no run file, --runs, --run-dir or --set: it reuses those of the run(s)"
+            )
         run_dir = args.resume.resolve()
         if not (run_dir / STATE_FILE).exists():
             raise ValueError(f"{run_dir} holds no {STATE_FILE}: not the run directory of an `rlfabric up`")

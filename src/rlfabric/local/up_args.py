@@ -32,6 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "crashed) with its options, Redis data and credentials; takes no run file and no other option "
         "but --no-progress",
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key of the run file (or of the built-in demo), a dotted path with the value "
+        "parsed as YAML, e.g. --set optim.lr=1e-3 --set rollout.max_staleness=0; repeatable; with several "
+        "run files, each gets it",
+    )
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument(
         "--lora",

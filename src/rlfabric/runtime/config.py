@@ -4,7 +4,7 @@ Every service has a pydantic model (its schema, with every default and its docst
 configuration is built in layers, each overriding the one before:
 
     1. the model's defaults
-    2. a file (TOML, YAML or JSON, by suffix)
+    2. a file (TOML, YAML or JSON, by suffix), or data built elsewhere (`base`: a built-in run spec)
     3. environment variables  PREFIX + dotted path with "__" for ".", e.g. RLFABRIC_REWARD__SERVER__PORT=7001
     4. `--set a.b=value` overrides, in the order given
     5. explicit command-line flags such as `--host` and `--port`
@@ -17,6 +17,7 @@ came from (`Origins`): the file, the environment variable, the `--set` key or th
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tomllib
@@ -178,6 +179,7 @@ def load_config(
     model: type[M],
     *,
     path: str | Path | None = None,
+    base: tuple[Mapping[str, Any], str] | None = None,
     overrides: Iterable[str] = (),
     env_prefix: str | None = None,
     environ: Mapping[str, str] | None = None,
@@ -188,11 +190,17 @@ def load_config(
 
     `explicit` maps dotted paths to values from dedicated flags (e.g. {"server.port": 7001}); entries
     whose value is None are ignored, so unset flags do not override anything. `flags` names the flag of
-    each explicit key (e.g. {"server.port": "--port"}) for errors.
+    each explicit key (e.g. {"server.port": "--port"}) for errors. `base` takes the file's place: data
+    built elsewhere and what to call it in errors (e.g. a built-in run spec's dump, "the built-in demo").
     """
-    data: dict[str, Any] = read_file(path) if path else {}
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        data, source = read_file(path), str(path)
+    elif base:
+        data, source = copy.deepcopy(dict(base[0])), base[1]
     origins = Origins()
-    origins.set_leaves(data, str(path))
+    origins.set_leaves(data, source)
     if env_prefix:
         for dotted, value, name in env_overrides(env_prefix, environ if environ is not None else {}):
             set_path(data, dotted, value)
@@ -205,7 +213,7 @@ def load_config(
         if value is not None:
             set_path(data, dotted, value)
             origins.set(dotted, (flags or {}).get(dotted, f"the flag for {dotted}"))
-    return validate(model, data, str(path) if path else "defaults", origins)
+    return validate(model, data, source, origins)
 
 
 def validate(model: type[M], data: dict[str, Any], source: str, origins: Origins | None = None) -> M:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -254,3 +255,17 @@ def test_cli_takes_a_run_token_as_it_takes_the_operators(
     assert cli("list", "--json", "--url", served) == 0
     assert '"cli-a"' in (out := capsys.readouterr().out) and "cli-b" not in out
     assert cli("stop", "cli-a", "--url", served) == 0 and "stopped" in capsys.readouterr().out
+
+
+def test_cli_submit_overrides_keys_of_the_run_file(
+    served: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('[model]\npath = "tiny"\n\n[dataset]\npath = "p.jsonl"\n\n[train]\nsteps = 9\n')
+    operator = ("--url", served, "--token", OPERATOR)
+    assert cli("submit", str(run_file), "--name", "set-a", "--set", "train.steps=3", *operator) == 0
+    capsys.readouterr()
+    assert cli("status", "set-a", "--json", *operator) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["train"]["steps"] == 3
+    assert cli("submit", str(run_file), "--name", "set-b", "--set", "train.steps=-1", *operator) == 1
+    assert "HTTP 422" in (err := capsys.readouterr().err) and "train.steps" in err
