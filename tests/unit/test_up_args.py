@@ -500,3 +500,15 @@ def test_replica_max_in_flight_sets_every_replicas_capacity(tmp_path: Path) -> N
 def test_a_replica_max_in_flight_below_one_is_refused(text: str) -> None:
     with pytest.raises(SystemExit):
         parse("--replica-max-in-flight", text)
+
+
+def test_the_api_token_is_printed_to_a_terminal_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = SimpleNamespace(url="http://127.0.0.1:1", token="s3cret-token", submit=lambda spec: "r")
+    up.announce(api, SimpleNamespace(name="r"), tmp_path, submit=True)
+    out = capsys.readouterr().out
+    assert "s3cret-token" not in out and f"API token: in {tmp_path / 'credentials.json'}" in out
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    up.announce(api, SimpleNamespace(name="r"), tmp_path, submit=True)
+    assert "mode 0600): s3cret-token" in capsys.readouterr().out

@@ -454,7 +454,8 @@ def bring_up_fleet(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
 
 def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool, token: bool = True) -> None:
     """Submits the run unless the coordinator resumes it; prints the API token once, with the
-    submission (`token`; a resumed run points at the credentials file instead)."""
+    submission (`token`), on a terminal only: printed to a pipe or a file it would end in logs (a CI job's
+    output), so there `up` points at the credentials file, as it does for a resumed run."""
     credentials = run_dir / "credentials.json"
     if not submit:
         print(f"run {spec.name} resumed; page: {api.url}/runs/{spec.name} (token: {credentials})", flush=True)
@@ -467,5 +468,7 @@ def announce(api: Any, spec: Any, run_dir: Path, *, submit: bool, token: bool = 
         answer = f"({exc.response.status_code}): {exc.response.text}"
         raise RunRefused(f"the coordinator refused the run {answer}") from exc
     print(f"run {run_id} submitted; page: {api.url}/runs/{run_id}", flush=True)
-    if token:
+    if token and sys.stdout.isatty():
         print(f"API token (also in {credentials}, mode 0600): {api.token}", flush=True)
+    elif token:
+        print(f"API token: in {credentials} (mode 0600; printed only to a terminal)", flush=True)
