@@ -184,10 +184,11 @@ class Loaded:
     cached: bool = True
 
 
-def check_models(spec: RunSpec) -> tuple[CheckReport, Any]:
+def check_models(spec: RunSpec, *, offline: bool = False) -> tuple[CheckReport, Any]:
     """Loads each local model's config and the policy's tokenizer (never weights); returns the report
     and the tokenizer (None when it did not load). Hub ids load only from the local cache; one not
-    cached is skipped."""
+    cached is skipped, or with `offline` (this machine's processes may not download: HF_HUB_OFFLINE) an
+    issue: the replica could only fail at its start."""
     report = CheckReport()
     missing = transformers_missing()
     if missing is not None:
@@ -201,11 +202,25 @@ def check_models(spec: RunSpec) -> tuple[CheckReport, Any]:
         loaded = load_model_files(path, tokenizer=name == "model.path")
         if loaded.problem is not None:
             report.issues.append(SpecIssue(name, loaded.problem, "model_unloadable"))
+        elif not loaded.cached and offline:
+            message = (
+                f"{path!r} is not in the local hub cache and HF_HUB_OFFLINE is set, so nothing here can "
+                f"download it: download it first (`hf download {path}`) or unset HF_HUB_OFFLINE"
+            )
+            report.issues.append(SpecIssue(name, message, "model_not_cached"))
         elif not loaded.cached:
             report.skipped.append(f"{name} {path!r} is not in the local hub cache: not loaded here")
         elif name == "model.path":
             tokenizer = loaded.tokenizer
     return report, tokenizer
+
+
+def hub_offline() -> bool:
+    """Whether this process may not download from the hub (`HF_HUB_OFFLINE`, read as huggingface_hub
+    reads it)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def load_model_files(path: str, *, tokenizer: bool) -> Loaded:
@@ -463,7 +478,7 @@ def check_spec(
     report.issues += scorer_issues(gold_problems, GOLD_SECTION)
     report.extend(check_paths(spec))
     with HF_LOCK:  # the tokenizer and the data load beside the coordinator's other threads
-        models, tokenizer = check_models(spec)
+        models, tokenizer = check_models(spec, offline=hub_offline())
         report.extend(models)
         report.extend(check_dataset(spec, tokenizer))
         report.extend(check_warm_start(spec, tokenizer))

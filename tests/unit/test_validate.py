@@ -5,11 +5,15 @@ naming the field; a good one passes. Also the estimator names a run file may use
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
+from huggingface_hub import constants
 
 from rlfabric import cli
 from rlfabric.learner.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -55,14 +59,36 @@ def test_each_broken_run_file_is_refused_naming_the_field(
     assert [i.field for i in report.issues] == [field], report.issues
 
 
-def test_missing_paths_are_refused_and_hub_ids_pass(tiny_model_dir: Path, data: Path, tmp_path: Path) -> None:
+def test_missing_paths_are_refused_and_hub_ids_pass_where_they_may_download(
+    tiny_model_dir: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     report = check_local(spec(tmp_path / "no-model", tmp_path / "no-data.jsonl"))
     assert [(i.field, i.kind) for i in report.issues] == [
         ("model.path", "not_found"),
         ("dataset.path", "not_found"),
     ]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tests run with HF_HUB_OFFLINE=1
     hub = check_local(spec("no-such-org/no-such-model", data))
     assert hub.ok and any("hub cache" in s for s in hub.skipped)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    offline = check_local(spec("no-such-org/no-such-model", data))
+    assert [(i.field, i.kind) for i in offline.issues] == [("model.path", "model_not_cached")]
+
+
+def test_a_hub_id_not_cached_is_refused_where_nothing_may_download(data: Path, tmp_path: Path) -> None:
+    run_file = tmp_path / "run.json"
+    run_file.write_text(
+        json.dumps({"model": {"path": "no-such-org/no-such-model"}, "dataset": {"path": str(data)}})
+    )
+    argv = [sys.executable, "-m", "rlfabric.cli", "config", "check", str(run_file)]
+    offline = subprocess.run(argv, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    assert offline.returncode == 2, offline.stderr
+    assert (
+        "model.path: 'no-such-org/no-such-model' is not in the local hub cache and HF_HUB_OFFLINE"
+        in offline.stderr
+    )
+    online = subprocess.run(argv, env={**os.environ, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True)
+    assert online.returncode == 0 and "not checked: model.path" in online.stdout, online.stderr
 
 
 def test_a_model_folder_that_does_not_load_is_refused(tmp_path: Path, data: Path) -> None:

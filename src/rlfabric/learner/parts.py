@@ -143,8 +143,11 @@ def sdpa_in_float32(
     return out.to(dtype), weights
 
 
-def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bool) -> tuple[Tensor, Tensor]:
-    """Log-prob of each target and the entropy per position, in float32 chunks along T.
+def token_logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, entropy_grad: bool, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target and the entropy per position, in float32 chunks along T, of the
+    distribution softmax(logits / temperature).
 
     `logits` (B, T, V), `targets` (B, T) → `(logp, entropy)`, both (B, T). The entropy carries a
     gradient only with `entropy_grad` (it is otherwise a metric and needs no graph).
@@ -152,6 +155,8 @@ def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, entropy_grad: bo
     logps, entropies = [], []
     for start in range(0, logits.shape[1], LOGPROB_CHUNK):
         chunk = logits[:, start : start + LOGPROB_CHUNK].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
         target = targets[:, start : start + LOGPROB_CHUNK].unsqueeze(-1)
         logps.append(chunk.gather(-1, target).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

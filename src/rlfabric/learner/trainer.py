@@ -121,6 +121,17 @@ class StepPlan:
     """The aggregation's normaliser summed over every micro-batch of every rank."""
 
 
+def sampling_temperature(spec: RunSpec) -> float:
+    """What the policy's logits are divided by in every log-prob, entropy and KL of an RL step: the
+    replicas' `rollout.sampling.temperature`, so that the policy trained, its importance ratios and its
+    KL to the reference are those of the distribution the samples were drawn from, the distribution whose
+    log-probs the replicas report (TRL's and verl's convention too). 1 for greedy decoding (0), which
+    has no distribution to match. Top-k and top-p are not applied: their truncation shows in the
+    engine/learner mismatch (`rollout_mismatch_kl`)."""
+    temperature = spec.rollout.sampling.temperature
+    return temperature if temperature > 0 else 1.0
+
+
 class Trainer(TrainerBase[GroupSamples]):
     """Policy, optional frozen reference, optimizer and schedule of one learner rank."""
 
@@ -146,6 +157,8 @@ class Trainer(TrainerBase[GroupSamples]):
         self.loss_config = policy_loss_config(spec)
         self.critic = self._load_critic(model_path)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.temperature = sampling_temperature(spec)
+        """The logits' divisor: the policy trained is the one the replicas sample from."""
 
     def _load_reference(self, model_path: str | Path) -> nn.Module | None:
         """The frozen reference, only when the KL coefficient is positive; with LoRA and no other reference
@@ -325,16 +338,17 @@ class Trainer(TrainerBase[GroupSamples]):
     def _logprobs(
         self, model: nn.Module, mb: MicroBatch, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """`model`'s log-prob of each target and entropy per position: both (B, T). A packed micro-batch
+        """`model`'s log-prob of each target and entropy per position, of its logits divided by the sampling
+        temperature (`sampling_temperature`): both (B, T). A packed micro-batch
         runs as its packed row (0 on the prompt positions, which no loss mask covers) through a model
         loaded for it; a model that is not (a reference whose architecture cannot be packed) takes the
         padded rows."""
         packed = mb.packed if is_packed(model) else None
         if packed is None:
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-            return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad)
+            return token_logprobs_and_entropy(logits, mb.targets(self.pad_id), entropy_grad, self.temperature)
         logits = packed_logits(model, packed)
-        logp, entropy = token_logprobs_and_entropy(logits, packed.targets, entropy_grad)
+        logp, entropy = token_logprobs_and_entropy(logits, packed.targets, entropy_grad, self.temperature)
         shape = mb.input_ids.shape
         return packed.to_target_layout(logp, shape), packed.to_target_layout(entropy, shape)
 

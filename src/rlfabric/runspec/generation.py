@@ -21,7 +21,9 @@ class SamplingSpec(SpecModel):
     n: int = Field(default=8, ge=1, le=MAX_KEEP)
     """Samples per prompt: the group size of group-based estimators."""
     temperature: float = Field(default=1.0, ge=0.0)
-    """0 is greedy decoding (useless for group estimators: every sample is equal)."""
+    """0 is greedy decoding (useless for group estimators: every sample is equal). The learner divides
+    the policy's logits by it too, so the policy it trains (log-probs, ratios, entropy, KL) is the
+    distribution sampled from; top_p and top_k it does not apply."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
     top_k: int = Field(default=-1, ge=-1, le=MAX_TOKENS)

@@ -30,6 +30,8 @@ SAMPLED = SamplingSettings(n=3, temperature=1.0, top_p=1.0, top_k=0, max_tokens=
 """Temperature 1, no filters: processed and raw logprobs agree, so a plain forward pass is the reference."""
 TEMPERED = SamplingSettings(n=3, temperature=0.7, top_p=0.9, top_k=20, max_tokens=12, seed=7)
 """Every filter on: "processed" logprobs are those of the tempered, truncated distribution."""
+WARM = dataclasses.replace(SAMPLED, temperature=0.7)
+"""A temperature alone (no top-k/top-p): the learner's log-probs at the run's temperature must be these."""
 NEVER_STOPPED = dataclasses.replace(SAMPLED, stop=("~" * 8,))
 """SAMPLED with a stop string no 12-token sample contains: vLLM then detokenizes while it generates."""
 LONG = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=400, ignore_eos=True)
@@ -133,6 +135,7 @@ async def run_scenarios(engine: Engine, weights: dict[str, str]) -> dict[str, An
     report["reload_s"] = time.perf_counter() - start
     report["new"] = await collect(engine.generate("new", prompts, SAMPLED))
     report["tempered"] = await collect(engine.generate("tempered", prompts, TEMPERED))
+    report["warm"] = await collect(engine.generate("warm", prompts, WARM))
     report["cancel"] = await cancel_scenario(engine, prompts)
     report["abort"] = await abort_scenario(engine, prompts)
     report["throughput"] = await throughput(engine, prompts)

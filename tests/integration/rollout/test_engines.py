@@ -20,6 +20,7 @@ from _engine_scenarios import (
     PROMPT_TEXTS,
     SAMPLED,
     TEMPERED,
+    WARM,
     build_engine,
     collect,
     run_scenarios,
@@ -175,6 +176,35 @@ def test_logprobs_are_those_of_the_sampling_distribution(
 ) -> None:
     """ "processed" logprobs (the default) follow temperature, top-k and top-p, and are never -inf."""
     assert max_logprob_error(report["tempered"], weights["new"], TEMPERED) <= 1e-4
+
+
+def test_the_learner_trains_the_distribution_sampled_at_the_runs_temperature(
+    report: dict[str, Any], weights: dict[str, Path]
+) -> None:
+    """The learner divides the logits by `rollout.sampling.temperature` (TRL's and verl's convention):
+    its log-probs of the engine's samples at 0.7 are the engine's own, which at temperature 1 they are
+    not (the policy it would train is not the one sampled)."""
+    from rlfabric.learner.dist import init_distributed
+    from rlfabric.learner.samples import GroupSamples, Rollout
+    from rlfabric.learner.trainer import Trainer
+    from rlfabric.runspec import RunSpec
+
+    samples = sorted(report["warm"], key=lambda s: (s["prompt_index"], s["sample_index"]))  # step order
+    groups = [
+        GroupSamples(s["prompt_token_ids"], [Rollout(s["token_ids"], s["logprobs"], 0.0)]) for s in samples
+    ]
+    engine_sums = torch.tensor([sum(s["logprobs"]) for s in samples])
+    world = init_distributed(torch.device("cpu"))
+    learned = {}
+    for temperature in (WARM.temperature, 1.0):
+        spec = RunSpec.model_validate({
+            "model": {"path": str(weights["new"]), "dtype": "float32"}, "dataset": {"path": "unused.jsonl"},
+            "rollout": {"sampling": {"temperature": temperature}},
+        })  # fmt: skip
+        trainer = Trainer(spec, weights["new"], device=torch.device("cpu"), world=world)
+        learned[temperature] = trainer.sequence_logprobs(groups)
+    torch.testing.assert_close(learned[WARM.temperature], engine_sums, atol=1e-3, rtol=0)
+    assert (learned[1.0] - engine_sums).abs().max() > 0.1
 
 
 def test_mismatched_weights_are_refused_and_old_weights_serve(

@@ -15,7 +15,7 @@ from rlfabric.learner.batch import GroupSamples, Rollout
 from rlfabric.learner.checkpoint import COMPLETE, checkpoint_dir, latest_complete, prune
 from rlfabric.learner.dist import World, init_distributed
 from rlfabric.learner.parts import lr_multiplier
-from rlfabric.learner.trainer import Trainer
+from rlfabric.learner.trainer import Trainer, sampling_temperature
 from rlfabric.runspec import RunSpec
 
 CPU = torch.device("cpu")
@@ -212,6 +212,16 @@ def test_chunked_logprobs_and_entropy_match_a_full_log_softmax(monkeypatch: pyte
     torch.testing.assert_close(logp, full.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach())
     assert logp.requires_grad and not entropy.requires_grad
+    logp, entropy = parts.token_logprobs_and_entropy(logits, targets, entropy_grad=False, temperature=0.5)
+    tempered = torch.log_softmax(logits / 0.5, dim=-1)
+    torch.testing.assert_close(logp, tempered.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(entropy, -(tempered.exp() * tempered).sum(-1).detach())
+
+
+def test_the_logits_are_divided_by_the_sampling_temperature_unless_greedy(tiny_model_dir: Path) -> None:
+    for temperature, divisor in ((0.7, 0.7), (1.3, 1.3), (1.0, 1.0), (0.0, 1.0)):
+        spec = make_spec(tiny_model_dir, rollout={"sampling": {"temperature": temperature}})
+        assert sampling_temperature(spec) == divisor
 
 
 def test_activation_checkpointing_gives_the_same_gradient(tiny_model_dir: Path, world: World) -> None:
