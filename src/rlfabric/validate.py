@@ -204,8 +204,9 @@ def check_models(spec: RunSpec, *, offline: bool = False) -> tuple[CheckReport, 
             report.issues.append(SpecIssue(name, loaded.problem, "model_unloadable"))
         elif not loaded.cached and offline:
             message = (
-                f"{path!r} is not in the local hub cache and HF_HUB_OFFLINE is set, so nothing here can "
-                f"download it: download it first (`hf download {path}`) or unset HF_HUB_OFFLINE"
+                f"no folder {path!r} here, and as a hub id it is not in the local hub cache while "
+                f"HF_HUB_OFFLINE is set, so nothing here can download it: download it first "
+                f"(`hf download {path}`) or unset HF_HUB_OFFLINE"
             )
             report.issues.append(SpecIssue(name, message, "model_not_cached"))
         elif not loaded.cached:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -233,7 +234,8 @@ def test_cli_print_config_applies_flags(tmp_path: Path) -> None:
 
 
 def test_cli_config_check_run_file(tmp_path: Path) -> None:
-    good = run_cli("config", "check", str(write(tmp_path, "run.toml", RUN_TOML)))
+    online = {**os.environ, "HF_HUB_OFFLINE": "0"}  # models/tiny may be a hub id it could download
+    good = run_cli("config", "check", str(write(tmp_path, "run.toml", RUN_TOML)), env=online)
     assert good.returncode == 0, good.stderr
     bad = run_cli("config", "check", str(write(tmp_path, "bad.toml", RUN_TOML + "\n[train]\nsteps = -1\n")))
     assert bad.returncode == 2
