@@ -24,6 +24,10 @@ _SPECS: dict[str, tuple[str, str]] = {
     "clip_fraction": ("rlfabric_learner_clip_ratio", "Share (0-1) of tokens whose ratio was clipped"),
     "reward_mean": ("rlfabric_learner_reward_mean", "Mean reward of the samples trained on in the last step"),
     "reward_std": ("rlfabric_learner_reward_std", "Standard deviation of those rewards"),
+    "uniform_reward_groups_fraction": (
+        "rlfabric_learner_uniform_reward_groups_ratio",
+        "Share (0-1) of the last step's groups whose samples all got the same reward (no group signal)",
+    ),
     "response_length_mean": (
         "rlfabric_learner_response_length_mean_tokens",
         "Mean completion length of the samples trained on in the last step, tokens",

@@ -546,3 +546,14 @@ def test_rollout_trust_kl_scales_a_stale_step_and_leaves_an_on_policy_one_alone(
     unscaled, _, _ = step(_with_logprobs(groups, own), None)
     for name, delta in unscaled.items():
         torch.testing.assert_close(on_policy[name], delta, atol=0, rtol=0, msg=name)
+
+
+def test_a_step_reports_the_share_of_groups_whose_samples_all_got_one_reward(
+    tiny_model_dir: Path, world: World
+) -> None:
+    trainer = Trainer(make_spec(tiny_model_dir), tiny_model_dir, device=CPU, world=world)
+    groups = random_groups(3, n_groups=4)
+    for group, rewards in zip(groups, ([1.0] * 4, [0.0] * 4, [0.5] * 4, [1.0, 0.0, 1.0, 1.0]), strict=True):
+        for rollout, reward in zip(group.rollouts, rewards, strict=True):
+            rollout.reward = reward
+    assert trainer.accumulate_gradients(groups)["uniform_reward_groups_fraction"] == pytest.approx(0.75)
