@@ -72,6 +72,28 @@ def test_reward_rises_and_metrics_rows_are_complete(demo_run: Path) -> None:
     assert (demo_run / "demo" / "curves.png").exists()
 
 
+def test_the_final_model_is_the_last_published_policy_as_a_hugging_face_folder(demo_run: Path) -> None:
+    """What a user takes away: `<run>/model` loads with transformers, tokenizer and chat template
+    included, and holds the weights of the last version the replicas served."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfabric.weights import versions
+
+    final = demo_run / "demo" / "model"
+    assert f"final model: {final} " in (demo_run / "up.out").read_text()
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(final).chat_template
+    root = str(demo_run / "demo" / "weights")
+    latest = versions.latest_committed(root)
+    assert latest is not None
+    published = versions.load_version(root, latest)
+    weights = model.state_dict()
+    assert published and published.keys() <= weights.keys()
+    for name, tensor in published.items():
+        torch.testing.assert_close(weights[name], tensor.to(weights[name].dtype), rtol=0, atol=0, msg=name)
+
+
 def test_books_balance(demo_run: Path, books: redis.Redis) -> None:
     """Every drawn prompt enqueued once, dropped with a reason or still in flight; no group trained twice;
     each trained group enqueued; versions increasing and published (`rlfabric.tools.ledger`)."""

@@ -48,7 +48,7 @@ def drop_tied_head(config: object, state_dict: dict[str, torch.Tensor]) -> dict[
 
 
 def final_model_dir(run_dir: str | Path) -> Path:
-    """Where an offline run in `run_dir` leaves its final model."""
+    """Where a run in `run_dir` leaves its final model (an online run's learner too, at its end)."""
     return Path(run_dir) / MODEL_DIR
 
 

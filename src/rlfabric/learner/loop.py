@@ -12,6 +12,10 @@
       4. persist   every checkpoint_every steps: checkpoint with the ledger, then ack the entries it covers
       5. publish   gather the full weights, write version v to the object store, announce it
       6. report    metrics.jsonl, Prometheus, LearnerService.GetStatus
+    finish   a final checkpoint, then the final model as a Hugging Face folder, `<run dir>/model`
+             (`export.export_final_model`: LoRA adapters merged), which transformers, vLLM and a later
+             run's `model.path` load as is; none after a health stop, whose last good checkpoint is the
+             policy to keep
 
 Every rank runs `TrainingLoop`; only rank 0 holds a `Leader` (`leader.py`: Redis, the object store's
 announcements, metrics, the status server), the others hold None and meet it in the collectives (2, 3,
@@ -38,7 +42,7 @@ from rlfabric.learner.batch import GroupSamples
 from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.core_lock import core_turn
 from rlfabric.learner.dist import World, broadcast_flag, share_payloads
-from rlfabric.learner.export import drop_tied_head
+from rlfabric.learner.export import drop_tied_head, export_final_model
 from rlfabric.learner.leader import Leader
 from rlfabric.learner.lora import adapter_config
 from rlfabric.learner.outputs import RunPaths
@@ -223,16 +227,27 @@ class TrainingLoop:
     # --- the end -----------------------------------------------------------------------------------
 
     async def finish(self) -> None:
-        """Collective: a final checkpoint (none after a health stop) and its acks; rank 0 lets go."""
+        """Collective: a final checkpoint and its acks, then the final model (neither after a health
+        stop); rank 0 lets go."""
         health_stop = broadcast_flag(self.leader is not None and self.leader.health_stop, self.world)
         if health_stop:
             log.warning("stopped by a health check at step %d: no final checkpoint", self.trainer.step)
-        elif self.trainer.step > 0 and self.checkpoint_step != self.trainer.step:
-            await asyncio.to_thread(self.checkpoint)
-            if self.leader is not None and self.pending:
-                await self.leader.ack(self.pending)
+        elif self.trainer.step > 0:
+            if self.checkpoint_step != self.trainer.step:
+                await asyncio.to_thread(self.checkpoint)
+                if self.leader is not None and self.pending:
+                    await self.leader.ack(self.pending)
+            await asyncio.to_thread(self.export)
         if self.leader is not None:
             await self.leader.close()
+
+    def export(self) -> None:
+        """Collective: rank 0 writes the policy (adapters merged) with the base model's config and
+        tokenizer as `<run dir>/model`, replacing an older one (a run stopped, then resumed)."""
+        state_dict = drop_tied_head(self.trainer.model.config, self.trainer.full_state_dict())
+        if self.world.is_main:
+            final = export_final_model(state_dict, self.spec.model.path, self.paths.run_dir)
+            log.info("final model of step %d in %s", self.trainer.step, final)
 
 
 def encode(deliveries: list[Delivery] | None) -> list[bytes] | None:

@@ -144,6 +144,8 @@ COORDINATOR_READY = r"listening on (http://\S+)"
 
 
 OFFLINE_LEARNER_READY = r"rlfabric offline learner (started)"
+LEARNER_FINISH_S = 300.0
+"""How long `up` lets a learner whose run ended write its final checkpoint and model before stopping it."""
 
 
 @dataclass
@@ -166,6 +168,17 @@ class Services:
         """Waits for the ready line of every learner still starting (ServiceStartError if one fails)."""
         while self.starting_learners:
             stack.wait(self.starting_learners.pop(0))
+
+    def let_learners_finish(self, timeout_s: float = LEARNER_FINISH_S) -> None:
+        """Waits up to `timeout_s` for the learners to exit by themselves: after a run's last step (or a
+        stop) a learner writes its final checkpoint and model, which stopping it would cut short."""
+        start = time.monotonic()
+        told = False
+        while any(proc.returncode is None for proc in self.learners) and time.monotonic() < start + timeout_s:
+            if not told and time.monotonic() > start + 2:
+                print("  waiting for the learner to write the final model ...", flush=True)
+                told = True
+            time.sleep(0.1)
 
 
 class ReplicaFactory(Protocol):

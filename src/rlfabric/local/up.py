@@ -368,6 +368,8 @@ def bring_up(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         supervise(stack, services, supervisor, first_step_done(api.url, api.token, spec.name))
         status = watch(api, spec.name, spec.train.steps, progress=not options.no_progress,
                        supervisor=supervisor, scaler=services.scaler)  # fmt: skip
+        if status.get("state") in (RunState.COMPLETED, RunState.STOPPED):
+            services.let_learners_finish()
     finally:
         supervisor.close()
         stack.stop()
@@ -440,6 +442,8 @@ def bring_up_fleet(chosen: Plan, stack: Stack, supervisor: Supervisor) -> int:
         if services.scaler is not None:
             signal = FleetSignal(redis_url, chosen.spec.rollout.fleet)
         statuses = watch_runs(api, names, supervisor=supervisor, scaler=services.scaler, signal=signal)
+        if all(status.get("state") in (RunState.COMPLETED, RunState.STOPPED) for status in statuses.values()):
+            services.let_learners_finish()
     finally:
         supervisor.close()
         stack.stop()

@@ -342,6 +342,7 @@ def summarize(
     scaler: LocalScaler | None,
     supervisor: Supervisor | None = None,
 ) -> None:
+    from rlfabric.learner.export import final_model_dir, is_committed
     from rlfabric.local.plot import plot
 
     run_path = run_dir / run_id
@@ -365,6 +366,9 @@ def summarize(
         print(f"  {held_out}")
     for name, value in sorted((status.get("counters") or {}).items()):
         print(f"  {name}: {value}")
+    final = final_model_dir(run_path)
+    if is_committed(final):
+        print(f"  final model: {final} (a Hugging Face folder: transformers and vLLM load it)")
     print(f"  run directory: {run_path} (metrics.jsonl, checkpoints/, weights/, logs in {run_dir / 'logs'})")
     if png:
         print(f"  curves: {png}")

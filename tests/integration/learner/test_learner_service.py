@@ -172,6 +172,11 @@ def test_two_rank_learner_trains_checkpoints_acks_and_publishes(
     client = redis.Redis.from_url(redis_url)
     assert client.xpending(keys.groups(run_id), keys.CONSUMER_GROUP)["pending"] == 0
     assert int(client.get(f"rlfabric:{run_id}:version")) == 3
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).state_dict()
+    for name, tensor in trained.items():  # the final model, gathered from both ranks, is version 3
+        torch.testing.assert_close(final[name], tensor.float(), rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -224,5 +229,6 @@ def test_a_health_stop_halts_without_checkpointing_the_suspect_policy(
             os.killpg(proc.pid, 9)
     latest = latest_complete(tmp_path / "runs" / run_id / "checkpoints")
     assert latest is not None and latest.name == f"step-{final_checkpoint:06d}"
+    assert (tmp_path / "runs" / run_id / "model" / "COMMITTED").exists() == (reason == "stopped")
     pending = client.xpending(keys.groups(run_id), keys.CONSUMER_GROUP)["pending"]
     assert pending == (2 if reason == "health" else 0)
