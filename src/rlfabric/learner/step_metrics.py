@@ -23,6 +23,8 @@ def sample_sums(sb: StepBatch, micro_batches: list[MicroBatch], device: torch.de
         adv_sq = adv_sq + masked_sum(advantages**2, mb.loss_mask)
         adv_tokens = adv_tokens + mb.loss_mask.sum()
     grouped = sb.rewards.view(-1, sb.group_size)  # (groups, group size)
+    if sb.group_size < 2:  # a one-sample group is trivially uniform: no group estimator runs on it
+        grouped = grouped[:0]
     uniform = grouped.amax(-1) == grouped.amin(-1)
     return {
         "groups": torch.tensor(float(grouped.shape[0]), device=device),
@@ -57,9 +59,9 @@ def mean_std(total: float, squares: float, count: float) -> tuple[float, float]:
 def step_metrics(total: dict[str, float]) -> dict[str, float]:
     """Step metrics from globally summed statistics. `uniform_reward_groups_fraction`: the share of the
     step's groups whose samples all got the same reward, which a group estimator learns nothing from
-    (unless turn rewards differ): near 1 with all rewards at the top, the task is solved for these
-    prompts; at the bottom, too hard; on a warm-started policy whose samples barely differ (low
-    entropy), RL has little to work with."""
+    (unless turn rewards differ; absent with one sample a prompt): near 1 with all rewards at the top,
+    the task is solved for these prompts; at the bottom, too hard; on a warm-started policy whose
+    samples barely differ (low entropy), RL has little to work with."""
     tokens = max(total["tokens"], 1.0)
     metrics = {"loss": total["loss"], "policy_loss": total["policy_loss"], "tokens": total["tokens"]}
     for name in (*TOKEN_MEANS, *(n for n in TOKEN_MEANS_OPTIONAL if n in total)):
@@ -70,7 +72,8 @@ def step_metrics(total: dict[str, float]) -> dict[str, float]:
     metrics["advantage_mean"], metrics["advantage_std"] = mean_std(
         total["adv_sum"], total["adv_sq"], total["adv_tokens"]
     )
-    metrics["uniform_reward_groups_fraction"] = total["groups_uniform"] / max(total["groups"], 1.0)
+    if total["groups"] > 0:
+        metrics["uniform_reward_groups_fraction"] = total["groups_uniform"] / total["groups"]
     metrics["response_length_mean"] = total["length_sum"] / max(total["samples"], 1.0)
     metrics["samples"] = total["samples"]
     if "value_loss" in total:

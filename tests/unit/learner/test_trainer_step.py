@@ -557,3 +557,4 @@ def test_a_step_reports_the_share_of_groups_whose_samples_all_got_one_reward(
         for rollout, reward in zip(group.rollouts, rewards, strict=True):
             rollout.reward = reward
     assert trainer.accumulate_gradients(groups)["uniform_reward_groups_fraction"] == pytest.approx(0.75)
+    assert "uniform_reward_groups_fraction" not in trainer.accumulate_gradients(random_groups(3, n=1))
