@@ -5,6 +5,8 @@ Each check looks at the rows the learner appends per step (`reward_mean`, `kl`, 
 string when the series shows a known failure pattern of RL post-training:
 
 - reward hacking: KL to the reference and the training reward jump together;
+- reward collapse: the training reward fell far below its best window;
+- no learning signal: nearly every group gave all its samples one reward while the reward did not rise;
 - overfitting: the training reward rises while the held-out reward falls;
 - over-optimisation (runs with a gold reward, `dataset.eval.reward`): the held-out gold reward fell from
   its peak while the proxy (the run's own reward) on the same evaluations kept rising; its warning's
@@ -108,6 +110,26 @@ def check_reward_collapse(rows: Sequence[Row], t: HealthThresholds) -> HealthWar
         f"{reward[start + w - 1][0]} vs the last {w}); the policy of the best steps is the one to keep"
     )
     return HealthWarning("reward_collapse", message, reward[start + w][0])
+
+
+def check_no_signal(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
+    """At least `no_signal_fraction` of the last window's groups gave every sample the same reward while
+    the training reward has not risen by `no_signal_rise` since the first window: a group estimator has
+    had nothing to learn from (prompts too hard for the policy, a reward that cannot tell its samples
+    apart). Uniform groups at a reward that rose are a solved task and stay quiet (the demo's end)."""
+    uniform, reward, w = series(rows, "uniform_reward_groups_fraction"), series(rows, "reward_mean"), t.window
+    if len(uniform) < w or len(reward) < 2 * w:
+        return None
+    share, first, now = _mean(uniform[-w:]), _mean(reward[:w]), _mean(reward[-w:])
+    if share < t.no_signal_fraction or now - first >= t.no_signal_rise:
+        return None
+    message = (
+        f"no learning signal: {share:.0%} of the last {w} steps' groups gave every sample the same reward "
+        f"and the training reward has not risen ({first:.3g} at steps {reward[0][0]}-{reward[w - 1][0]}, "
+        f"{now:.3g} now): the prompts may be too hard for the policy, or the reward may not tell its "
+        "samples apart (a warm start, easier prompts, a reward with partial credit)"
+    )
+    return HealthWarning("no_signal", message, uniform[-w][0])
 
 
 def check_overfitting(rows: Sequence[Row], t: HealthThresholds) -> HealthWarning | None:
@@ -298,6 +320,7 @@ def health_warnings(
     found = [
         check_reward_hacking(rows, t),
         check_reward_collapse(rows, t),
+        check_no_signal(rows, t),
         check_overfitting(rows, t),
         check_entropy_collapse(rows, t),
         check_response_length(rows, t, limit),

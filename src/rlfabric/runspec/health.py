@@ -19,6 +19,7 @@ HealthCheck = Literal[
     "rollout_mismatch",
     "overoptimization",
     "reward_collapse",
+    "no_signal",
 ]
 """The run-health checks (see `rlfabric.coordinator.health`)."""
 
@@ -37,6 +38,12 @@ class HealthThresholds(SpecModel):
     reward_collapse_drop: float = Field(default=0.3, gt=0.0)
     """Reward collapse: the last window's mean training reward is at least this much (in the reward's
     units) below the best earlier window's: a policy that had it and lost it."""
+    no_signal_fraction: float = Field(default=0.9, gt=0.0, le=1.0)
+    """No learning signal: at least this share of the last window's groups gave every sample the same
+    reward (`uniform_reward_groups_fraction`)..."""
+    no_signal_rise: float = Field(default=0.1, ge=0.0)
+    """...while the training reward rose less than this (in the reward's units) since the first window:
+    uniform groups at a reward that rose are a solved task, not a stuck one."""
     eval_points: int = Field(default=3, ge=2, le=MAX_KEEP)
     """Overfitting: held-out evaluations compared (the first and the last of the most recent ones)."""
     eval_drop: float = Field(default=0.02, gt=0.0)

@@ -14,6 +14,7 @@ from rlfabric.coordinator.health import (
     HealthWarning,
     LengthLimit,
     check_entropy_collapse,
+    check_no_signal,
     check_overfitting,
     check_response_length,
     check_reward_collapse,
@@ -179,6 +180,24 @@ def test_reward_collapse_is_a_fall_from_the_best_earlier_window() -> None:
     assert check_reward_collapse(rising, T) is None
     assert check_reward_collapse(fell[:9], T) is None  # too short for two windows
     assert "reward collapse" in " ".join(run_health(fell, T))
+
+
+def test_no_signal_is_uniform_groups_at_a_reward_that_did_not_rise() -> None:
+    stuck = rows_of(reward_mean=[0.0] * 10, uniform_reward_groups_fraction=[1.0] * 10)
+    warning = check_no_signal(stuck, T)
+    assert warning is not None and warning.check == "no_signal" and warning.since_step == 6
+    assert "no learning signal: 100% of the last 5 steps' groups" in warning.message
+    assert "(0 at steps 1-5, 0 now)" in warning.message
+    solved = rows_of(  # the demo's end: every group at reward 1 after a rise
+        reward_mean=[0.01, 0.1, 0.3, 0.6, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0],
+        uniform_reward_groups_fraction=[0.1, 0.0, 0.0, 0.2, 0.6, 1.0, 1.0, 1.0, 1.0, 1.0],
+    )
+    learning = rows_of(reward_mean=[0.8] * 10, uniform_reward_groups_fraction=[0.38] * 10)  # agentic, dynamic
+    assert check_no_signal(solved, T) is None
+    assert check_no_signal(learning, T) is None
+    assert check_no_signal(stuck[:9], T) is None  # too short for two windows
+    assert check_no_signal(rows_of(reward_mean=[0.0] * 10), T) is None  # one sample a prompt: no share
+    assert "no learning signal" in " ".join(run_health(stuck, T))
 
 
 def test_overfitting_train_up_eval_down() -> None:
