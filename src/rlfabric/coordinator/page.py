@@ -24,6 +24,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KL", ("kl",)),
     ("entropy", ("entropy",)),
     ("response length", ("response_length_mean",)),
+    ("groups with one reward for every sample", ("uniform_reward_groups_fraction",)),
     ("clip fraction", ("clip_fraction",)),
     ("tokens / s", ("tokens_per_s",)),
     ("rollout utilisation", ("rollout_busy_fraction",)),

@@ -59,7 +59,7 @@ def plot(metrics_path: Path, out: Path) -> Path | None:
         [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     )
     panels = [("reward_mean",), ("eval_reward_mean", GOLD), ("kl",), ("entropy",)]
-    panels += [("response_length_mean",), ("tokens_per_s",)]
+    panels += [("response_length_mean",), ("tokens_per_s",), ("uniform_reward_groups_fraction",)]
     fig, axes = plt.subplots(2, 4, figsize=(16, 6))
     for ax, names in zip(axes.flat, panels, strict=False):
         for name, color in zip(names, ("tab:blue", "tab:orange"), strict=False):
@@ -75,7 +75,6 @@ def plot(metrics_path: Path, out: Path) -> Path | None:
         ax.set_title(names[0])
         ax.set_xlabel("step")
     overoptimization(axes.flat[len(panels)], rows)
-    axes.flat[-1].axis("off")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
