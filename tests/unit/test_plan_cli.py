@@ -71,6 +71,18 @@ def test_the_text_plan_shows_the_verdict_and_formulas(capsys: pytest.CaptureFixt
     assert "params x 4 B" in out and "docs/plan_formulas.md" in out
 
 
+def test_set_plans_the_run_file_with_a_suggestion_applied(capsys: pytest.CaptureFixture[str]) -> None:
+    _, before = plan_json(capsys, SHORT)
+    _, after = plan_json(capsys, SHORT, "--set", "train.activation_checkpointing=true")
+    first = before["suggestions"][0]
+    assert first["change"].startswith("train.activation_checkpointing = true")
+    assert max(d["total_bytes"] for d in after["devices"]) == first["worst_total_bytes"]
+    assert not after["suggestions"][0]["change"].startswith("train.activation_checkpointing")
+    assert main(["plan", SHORT, "--set", "train.micro_batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(--set train.micro_batch_size)" in err
+
+
 def test_devices_override_the_declared_placement(capsys: pytest.CaptureFixture[str]) -> None:
     code, plan = plan_json(capsys, SHORT, "--devices", "learner=8xcuda:80GiB,rollout=2xcuda:80GiB")
     assert plan["placement"] == "disaggregated"

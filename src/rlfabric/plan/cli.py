@@ -49,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_tokens, at most model.max_model_len",
     )
     parser.add_argument("--seq-len", type=int, help="override model.max_model_len")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="plan the run file with this key overridden (dotted path, value parsed as YAML), e.g. to try "
+        "a suggestion: --set train.micro_batch_size=2; repeatable",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +91,7 @@ def make(args: argparse.Namespace) -> tuple[Plan, ResourcesSpec]:
 
     if args.prompt_tokens < 1:
         raise ValueError("--prompt-tokens must be at least 1")
-    spec = load_config(RunSpec, path=args.run_file)
+    spec = load_config(RunSpec, path=args.run_file, overrides=args.overrides)
     if args.seq_len is not None:
         spec = spec.model_copy(
             update={"model": spec.model.model_copy(update={"max_model_len": args.seq_len})}
