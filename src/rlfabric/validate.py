@@ -487,6 +487,28 @@ def check_spec(
     from rlfabric.plan.check import check_resources
 
     report.extend(check_resources(spec))
+    report.extend(check_sampling(spec))
+    return report
+
+
+def check_sampling(spec: RunSpec) -> CheckReport:
+    """A note for an RL run that truncates its sampling (top-p, top-k): the replicas sample from the
+    truncated distribution, the learner trains the whole one (at the sampling temperature)."""
+    report = CheckReport()
+    sampling = spec.rollout.sampling
+    if not uses_reward(spec) or sampling.temperature == 0:
+        return report
+    cuts = []
+    if sampling.top_p < 1:
+        cuts.append(f"top_p = {sampling.top_p:g}")
+    if sampling.top_k > 0:
+        cuts.append(f"top_k = {sampling.top_k}")
+    if cuts:
+        report.notes.append(
+            f"rollout.sampling.{' and '.join(cuts)}: the replicas sample from the truncated distribution "
+            "and the learner trains the whole one (as TRL and verl do); the gap shows in "
+            "rollout_mismatch_kl, and top_p = 1 with top_k = -1 leaves none"
+        )
     return report
 
 

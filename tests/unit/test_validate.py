@@ -173,3 +173,13 @@ def test_the_evaluation_set_must_exist_and_hold_the_columns(
     assert "the evaluation set" in wrong.issues[0].message
     datasets.Dataset.from_list([{"prompt": "q", "answer": "1"}]).to_parquet(str(other))
     assert check_local(with_eval(path=str(other))).ok
+
+
+def test_a_truncated_sampling_is_noted_for_rl_runs(data: Path, tiny_model_dir: Path) -> None:
+    truncated = check_local(spec(tiny_model_dir, data, rollout={"sampling": {"top_p": 0.9, "top_k": 20}}))
+    assert truncated.ok and any(
+        note.startswith("rollout.sampling.top_p = 0.9 and top_k = 20: the replicas sample from the truncated")
+        for note in truncated.notes
+    )
+    plain = check_local(spec(tiny_model_dir, data))
+    assert not [note for note in plain.notes if note.startswith("rollout.sampling")]
