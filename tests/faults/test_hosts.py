@@ -256,7 +256,7 @@ def test_weights_through_an_object_store_on_another_host(
     """The run's weights URL is s3:// on the store host: the learner publishes every version there, the
     replica (on its own host) loads the versions it serves from there, the run completes over REST and its
     books balance with the published versions read from the bucket. Nothing is published on the local
-    filesystem."""
+    filesystem; the final model is written there, beside the checkpoints."""
     url = f"s3://{BUCKET}/{RUN}/weights"
     stack = make_stack(
         tmp_path / "run", network, tiny_model_dir, vllm_env, env=object_store, weights={"url": url}
@@ -285,7 +285,8 @@ def test_weights_through_an_object_store_on_another_host(
     assert sampled <= served | published, (sampled, published)
     assert len(served - {0}) >= 2, served  # it followed the learner, not only the last version
     assert not (stack.run_dir / "weights").exists()
-    assert not list(tmp_path.rglob("COMMITTED"))
+    # no version on the local filesystem: the one marker is the run's final model (`<run dir>/model`)
+    assert list(tmp_path.rglob("COMMITTED")) == [stack.run_dir / "model" / "COMMITTED"]
 
 
 def committed_versions(url: str) -> set[int]:
