@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfabric import __version__
+from rlfabric.runtime.overrides_arg import add_set_argument
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,6 @@ def add_serve(sub: Any) -> None:
         p.add_argument(
             "--print-config", action="store_true", help="print the effective configuration as JSON and exit"
         )
-
-
-def add_set_argument(parser: argparse.ArgumentParser, text: str) -> None:
-    """`--set KEY=VALUE`, repeatable, into `overrides` (applied by `runtime.config.load_config`)."""
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text
-    )
 
 
 def add_config_commands(sub: Any) -> None:

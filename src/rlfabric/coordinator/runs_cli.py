@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from rlfabric.runtime.overrides_arg import add_set_argument
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 RUN_TOKEN_LINE = "run token (shown once; it reads and stops this run only): "
 """What `submit` prints before the run's own token."""
@@ -40,14 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     submit = verbs.add_parser("submit", parents=[common], help="submit a run file (TOML, YAML or JSON)")
     submit.add_argument("run_file", metavar="RUN_FILE")
     submit.add_argument("--name", help="run name (overrides the file's)")
-    submit.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one key of the run file (dotted path, value parsed as YAML), e.g. --set "
-        "optim.lr=1e-3; repeatable; the coordinator validates the result",
+    add_set_argument(
+        submit,
+        "override one key of the run file (dotted path, value parsed as YAML), e.g. --set optim.lr=1e-3; "
+        "repeatable; the coordinator validates the result",
     )
     listing = verbs.add_parser("list", parents=[common], help="list runs, newest first")
     listing.add_argument("--json", action="store_true", help="print JSON")

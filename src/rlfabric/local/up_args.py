@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rlfabric.runtime.overrides_arg import add_set_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -32,15 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "crashed) with its options, Redis data and credentials; takes no run file and no other option "
         "but --no-progress",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one key of the run file (or of the built-in demo), a dotted path with the value "
-        "parsed as YAML, e.g. --set optim.lr=1e-3 --set rollout.max_staleness=0; repeatable; with several "
-        "run files, each gets it",
+    add_set_argument(
+        parser,
+        "override one key of the run file (or of the built-in demo), a dotted path with the value parsed "
+        "as YAML, e.g. --set optim.lr=1e-3 --set rollout.max_staleness=0; repeatable; with several run "
+        "files, each gets it",
     )
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument(

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfabric.runtime.overrides_arg import add_set_argument
+
 if TYPE_CHECKING:
     from rlfabric.plan.planner import Plan
     from rlfabric.plan.resources import ResourcesSpec
@@ -49,14 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_tokens, at most model.max_model_len",
     )
     parser.add_argument("--seq-len", type=int, help="override model.max_model_len")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="plan the run file with this key overridden (dotted path, value parsed as YAML), e.g. to try "
-        "a suggestion: --set train.micro_batch_size=2; repeatable",
+    add_set_argument(
+        parser,
+        "plan the run file with this key overridden (dotted path, value parsed as YAML), e.g. to try a "
+        "suggestion: --set train.micro_batch_size=2; repeatable",
     )
 
 
