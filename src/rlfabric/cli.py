@@ -244,6 +244,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise
         print(f"rlfabric: the {args.service} service is not part of this build yet", file=sys.stderr)
         return 2
+    from rlfabric.runtime.logs import enable_stack_dumps
+
+    enable_stack_dumps()
     return int(main_module.serve(config))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -290,7 +291,7 @@ class Stack:
             if predicate():
                 return
             time.sleep(0.1)
-        raise AssertionError(f"not reached in {timeout_s} s: {what}\n{self.tails()}")
+        raise AssertionError(f"not reached in {timeout_s} s: {what}\n{self.tails()}\n{self.stacks()}")
 
     def wait_for_step(self, step: int, timeout_s: float = 180) -> None:
         self.wait(lambda: self.step() >= step, timeout_s, f"learner step {step}")
@@ -334,3 +335,20 @@ class Stack:
 
     def tails(self) -> str:
         return "\n".join(f"--- {n}\n" + "\n".join(list(p.tail)[-15:]) for n, p in self.procs.items())
+
+    def stacks(self, wait_s: float = 3.0, max_lines: int = 400) -> str:
+        """Every live service's thread and asyncio-task stacks, as its SIGUSR1 writes them
+        (`runtime.logs.enable_stack_dumps`): where a service that stopped making progress waits."""
+        offsets = {}
+        for name, proc in self.procs.items():
+            if name != "redis" and proc.running():
+                offsets[name] = proc.log_path.stat().st_size
+                proc.signal(signal.SIGUSR1)
+        time.sleep(wait_s)
+        shown = []
+        for name, offset in offsets.items():
+            with self.procs[name].log_path.open("rb") as log:
+                log.seek(offset)
+                lines = log.read().decode(errors="replace").splitlines()
+            shown.append(f"--- {name} stacks\n" + "\n".join(lines[:max_lines]))
+        return "\n".join(shown)

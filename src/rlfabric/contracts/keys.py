@@ -152,7 +152,9 @@ def enqueued(run_id: str) -> str:
 
 @_key("stream", writers="coordinator (pipeline), learner (stale drops)", readers="ledger")
 def dropped(run_id: str) -> str:
-    """One entry per dropped group: group_id, reason (`DropReason`), prompt_id and detail, or lag."""
+    """One entry per dropped group: group_id, reason (`DropReason`), and prompt_id and detail (the
+    coordinator's) or lag and learner_version (a stale drop: the learner's policy version it was lag training
+    steps behind)."""
     return _run(run_id, "dropped")
 
 

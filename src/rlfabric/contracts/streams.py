@@ -174,10 +174,11 @@ return 1
 """
 
 # KEYS: dropped stream, groups stream, counters, stale ids; ARGV: entry id, consumer group, group id, lag,
-# reason, counter.
+# reason, counter, learner version.
 DROP_STALE_ONCE = """
 if redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
-  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[3], 'reason', ARGV[5], 'lag', ARGV[4])
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[3], 'reason', ARGV[5], 'lag', ARGV[4],
+             'learner_version', ARGV[7])
   redis.call('HINCRBY', KEYS[3], ARGV[6], 1)
 end
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
@@ -214,12 +215,17 @@ async def dead_letter_once(
     await redis.register_script(DEAD_LETTER_ONCE)(keys=names, args=args)
 
 
-async def drop_stale_once(redis: aioredis.Redis, run_id: str, entry_id: str, group_id: str, lag: int) -> None:
-    """Records entry `entry_id` (group `group_id`, `lag` versions old) as dropped with the reason "stale",
-    counts it in `dropped_stale` and acknowledges it, in one script: exact across retries and replays."""
+async def drop_stale_once(
+    redis: aioredis.Redis, run_id: str, entry_id: str, group_id: str, lag: int, learner_version: int
+) -> None:
+    """Records entry `entry_id` (group `group_id`, `lag` training steps behind the learner's policy
+    `learner_version`) as dropped with the reason "stale", counts it in `dropped_stale` and acknowledges it,
+    in one script: exact across retries and replays."""
     names = [keys.dropped(run_id), keys.groups(run_id), keys.counters(run_id), keys.stale_ids(run_id)]
     reason = DropReason.STALE
-    args: list[str | int] = [entry_id, CONSUMER_GROUP, group_id, lag, reason.value, reason.counter.value]
+    args: list[str | int] = [
+        entry_id, CONSUMER_GROUP, group_id, lag, reason.value, reason.counter.value, learner_version
+    ]  # fmt: skip
     await redis.register_script(DROP_STALE_ONCE)(keys=names, args=args)
 
 

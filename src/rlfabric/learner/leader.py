@@ -114,7 +114,7 @@ class StepSource:
             return
         lag = self.lineage.lag(version, group.policy_version)
         if lag > self.max_staleness:
-            await self.drop_stale(delivery, lag)
+            await self.drop_stale(delivery, lag, version)
         else:
             self.counters.staleness.append(lag)
             self.ready.append(delivery)
@@ -138,9 +138,10 @@ class StepSource:
         rest, self.ready = self.ready, []
         return rest
 
-    async def drop_stale(self, delivery: Delivery, lag: int) -> None:
+    async def drop_stale(self, delivery: Delivery, lag: int, version: int) -> None:
         assert delivery.group is not None
-        await drop_stale_once(self.redis, self.run_id, delivery.entry_id, delivery.group.group_id, lag)
+        group_id = delivery.group.group_id
+        await drop_stale_once(self.redis, self.run_id, delivery.entry_id, group_id, lag, version)
         await self.consumer.ack([delivery.entry_id])  # acknowledged already: this clears the local record
         self.counters.dropped_stale += 1
         log.info("dropped stale group %s (lag %d)", delivery.group.group_id, lag)

@@ -7,10 +7,15 @@ field passed with `logger.info("...", extra={...})`, `exc` when an exception is 
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import json
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Any, Literal, TextIO
 
 from rlfabric.runtime.telemetry import current_ids
@@ -66,6 +71,52 @@ def setup_logging(
     handler.setFormatter(formatter)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+def enable_stack_dumps() -> None:
+    """Every thread's Python stack on stderr when asked and when the process dies of a fatal signal.
+
+    `kill -USR1 PID` writes the stacks of a service that seems stuck and lets it go on: the first thing to
+    look at when a run stops making progress. The threads' stacks come at once, even when the interpreter
+    is blocked (faulthandler); then, as soon as the event loop runs Python again, the stack of each of its
+    asyncio tasks, which shows the `await` a coroutine waits at (a thread's stack shows only the loop's
+    `select`). A crash in native code (SIGSEGV, SIGABRT, ...) writes the threads' stacks before the process
+    dies. Send the signal to the service's own PID only: a vLLM replica's engine processes do not handle
+    it, and SIGUSR1's default action ends a process. Call it from the main thread.
+    """
+    signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+
+
+def _dump_asyncio_tasks(signum: int, frame: Any) -> None:
+    """Writes the stack of every task of the event loop running in the main thread (if one runs). It runs
+    inside the service's main thread, so it never raises: a failure is written instead."""
+    try:
+        tasks = asyncio.all_tasks(asyncio.get_running_loop())
+    except RuntimeError:  # no event loop runs in this thread
+        return
+    try:
+        lines = [f"{len(tasks)} asyncio task(s) (most recent call last):"]
+        for task in tasks:
+            lines.append(f"Task {task.get_name()} ({task.get_coro()!r}):")
+            lines += [
+                f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}'
+                for f in _await_chain(task.get_coro())
+            ]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    except Exception as exc:
+        print(f"asyncio tasks not written: {exc!r}", file=sys.stderr, flush=True)
+
+
+def _await_chain(coro: Any) -> Iterator[FrameType]:
+    """The frames of a suspended coroutine down the chain of `await`s to the innermost one (a task's own
+    `get_stack` stops at the outermost)."""
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            yield frame
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
 
 
 def _formatter(service: str, fmt: Literal["json", "text"]) -> logging.Formatter:
