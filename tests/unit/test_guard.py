@@ -24,6 +24,7 @@ if sys.argv[1] == "ignore":  # deaf to SIGTERM: only the SIGKILL after the grace
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))
+signal.signal(signal.SIGUSR1, lambda *_: print("stacks asked", flush=True))
 print(f"service {os.getpid()} grandchild {grandchild.pid}", flush=True)
 while True:
     time.sleep(1)
@@ -92,6 +93,19 @@ def test_sigterm_reaches_the_service_and_its_exit_code_comes_back(tmp_path: Path
         assert wait_gone([grandchild]) == []
     finally:
         kill_all([grandchild])
+
+
+def test_sigusr1_reaches_the_service_which_goes_on(tmp_path: Path) -> None:
+    """`kill -USR1` of a guard asks its service for its stacks (`runtime.logs.enable_stack_dumps`)."""
+    proc, grandchild = start_service(tmp_path)
+    try:
+        proc.signal(signal.SIGUSR1)
+        proc.wait_for("stacks asked", timeout_s=15)
+        time.sleep(0.5)
+        assert proc.running() and alive(proc.service_pid or 0)
+    finally:
+        kill_all([grandchild])
+        proc.kill()
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ Invariants:
 3. When the guard's parent disappears (exit, crash or SIGKILL: the guard is re-parented), the guard sends
    SIGTERM to the service, waits up to `--grace` seconds, then does 2.
 4. SIGTERM and SIGINT to the guard are forwarded to the service (a graceful stop); 2 follows its exit.
+   SIGUSR1 is forwarded too (a service's stack dump, `runtime.logs.enable_stack_dumps`).
 5. If the guard itself is SIGKILLed, the service gets SIGKILL too (PR_SET_PDEATHSIG); whoever kills a
    guard should kill its process group, which the guard leads (`ServiceProcess.kill` does).
 
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, args.cpus)
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     guard = Guard(command, args.grace)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, guard.on_signal)
     print(f"{PID_LINE} {guard.child}", flush=True)
     os.close(guard.release)
