@@ -187,8 +187,11 @@ class Stack:
         env = {**self.env, "RLFABRIC_FAILPOINTS": failpoints} if failpoints else self.env
         return self._proc(name, "rollout", argv, ready, env=env)
 
-    def start_learner(self, failpoints: str = "", name: str = "learner") -> None:
+    def start_learner(
+        self, failpoints: str = "", name: str = "learner", settings: dict[str, Any] | None = None
+    ) -> None:
         config = {
+            **(settings or {}),
             "run_id": self.spec.name,
             "redis": {"url": self.redis_url},
             "server": {"host": self.places["learner"].address, "port": 0},
@@ -227,16 +230,18 @@ class Stack:
         failpoints: str = "",
         reward_settings: tuple[str, ...] = (),
         replica_failpoints: dict[str, str] | None = None,
+        learner_settings: dict[str, Any] | None = None,
     ) -> None:
         """Everything, the slow starters in parallel, then the run (`failpoints` the learner's,
-        `replica_failpoints` those of the named replicas)."""
+        `replica_failpoints` those of the named replicas, `learner_settings` the learner's configuration
+        beyond the stack's)."""
         self.start_redis()
         armed = replica_failpoints or {}
         with ThreadPoolExecutor(4) as pool:
             jobs = [pool.submit(self.start_reward, *reward_settings)]
             names = [f"rollout-{i}" for i in range(replicas)]
             jobs += [pool.submit(self.start_replica, n, failpoints=armed.get(n, "")) for n in names]
-            jobs.append(pool.submit(self.start_learner, failpoints))
+            jobs.append(pool.submit(self.start_learner, failpoints, settings=learner_settings))
             for job in jobs:
                 job.result()
         self.start_coordinator()

@@ -8,10 +8,13 @@ inside a live loop, with the coordinator still producing while the learner is do
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
 from fault_stack import Stack
+
+from rlfabric.runtime.watchdog import EXIT_STALLED
 
 
 def test_rollout_replica_sigkilled_mid_generation(make_stack: Callable[..., Stack]) -> None:
@@ -48,6 +51,26 @@ def test_learner_sigkilled_at_a_failpoint_resumes(make_stack: Callable[..., Stac
     stack.assert_every_step_trained()
     if failpoint.startswith("learner.before_ack"):  # checkpointed, never acknowledged: redelivered, skipped
         assert stack.last_metrics()["queue_skipped_duplicate"] >= 1
+
+
+def test_a_hung_learner_ends_itself_and_resumes(make_stack: Callable[..., Stack]) -> None:
+    """After step 3 the learner hangs: a failpoint blocks its event loop for good, the process alive and
+    making no progress, which no supervisor notices. Its watchdog (`stall_timeout_s`, `runtime.watchdog`)
+    writes every stack, the hang's among them, and exits with code 75; started again, as its supervisor
+    does, it resumes from its last checkpoint, the run completes and the books balance."""
+    stack = make_stack()
+    stack.start(failpoints="learner.after_step=3:hang", learner_settings={"stall_timeout_s": 15})
+    learner = stack.procs["learner"]
+    assert learner.proc is not None
+    assert learner.proc.wait(180) == EXIT_STALLED, stack.tails()
+    output = learner.log_path.read_text()
+    assert "made no progress for" in output and "(the last was: step 3 trained)" in output, stack.tails()
+    assert re.search(r'File ".*failpoints\.py", line \d+ in hit', output), output[-3000:]  # where it hung
+    assert "asyncio task(s) (most recent call last)" in output
+    stack.start_learner()
+    stack.finish()
+    stack.books()
+    stack.assert_every_step_trained()
 
 
 def test_coordinator_sigkilled_mid_run_and_restarted(make_stack: Callable[..., Stack]) -> None:

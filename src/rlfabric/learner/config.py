@@ -55,6 +55,12 @@ class LearnerServiceConfig(StrictModel):
     """A file whose exclusive lock the learner holds while it trains each step (`learner.core_lock`):
     learners sharing cores take turns instead of being time-sliced. `rlfabric up --learner-cores` gives the
     learners of one core list the same file; None (default) trains without it."""
+    stall_timeout_s: float | None = Field(default=1800.0, ge=10)
+    """A learner whose training loop makes no progress for this long (no read of the run's stream, no
+    forward pass, no checkpoint or publish finished) writes every stack to its log and exits with code 75,
+    so that whoever started it restarts it and it resumes from its last checkpoint
+    (`runtime.watchdog`). A learner waiting for groups shows progress every 5 s or so. Set it above your
+    longest checkpoint or weight publish; None: never."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve learner --insecure`): `token` is no longer required at
     start (when set it is still enforced) and a WARNING is logged. For tests and loopback only."""

@@ -52,6 +52,7 @@ from rlfabric.learner.samples import component_means, trajectory_means
 from rlfabric.learner.trainer_base import TrainerBase
 from rlfabric.runtime import failpoints, telemetry
 from rlfabric.runtime.memory import peak_rss_bytes
+from rlfabric.runtime.watchdog import Watchdog
 from rlfabric.v1 import learner_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
@@ -79,14 +80,25 @@ class TrainingLoop:
         self.applied_log: list[list[Any]] = []  # [step, group_id] in the order applied, in this lineage
         self.pending: list[str] = []  # entry ids trained but not yet covered by a checkpoint (rank 0)
         self.checkpoint_step = 0  # the step of the newest checkpoint this process wrote (0: none yet)
+        self.watchdog = Watchdog(float("inf"), "the learner's training loop")  # started in `run`
 
     async def run(self) -> None:
         await self.start()
         await self.resume()
+        watchdog = self.start_watchdog()
+        try:
+            await self.train()
+            watchdog.tick("the run's end")
+            await self.finish()
+        finally:
+            watchdog.stop()
+
+    async def train(self) -> None:
         warmed = False
         while self.trainer.step < self.spec.train.steps:
             deliveries = await self.leader.collect() if self.leader is not None else []
             payloads = share_payloads(encode(deliveries), self.world)
+            self.watchdog.tick(f"a read of the stream at step {self.trainer.step}")
             if payloads is None:
                 break
             if payloads:
@@ -94,7 +106,17 @@ class TrainingLoop:
                 if not warmed:  # after the first step (eager) and its publish: compiling overlaps the
                     await asyncio.to_thread(self.warm_up)  # replicas' generation of the next one
                     warmed = True
-        await self.finish()
+
+    def start_watchdog(self) -> Watchdog:
+        """`config.stall_timeout_s`: ticked by each pass of the loop, each finished part of a step and each
+        forward pass of the policy (a long step is progress); a disabled one never fires."""
+        timeout = self.config.stall_timeout_s
+        self.watchdog = Watchdog(timeout or float("inf"), "the learner's training loop",
+                                 loop=asyncio.get_running_loop())  # fmt: skip
+        if timeout is not None:
+            self.trainer.model.register_forward_pre_hook(lambda *_: self.watchdog.tick("a forward pass"))
+            self.watchdog.start()
+        return self.watchdog
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -152,10 +174,13 @@ class TrainingLoop:
         self.ledger.update(g.group_id for g in groups)
         self.applied_log.extend([self.trainer.step, g.group_id] for g in groups)
         self.pending.extend(d.entry_id for d in deliveries or [])
+        self.watchdog.tick(f"step {self.trainer.step} trained")
         failpoints.hit("learner.after_step")
         self.set_state(learner_pb2.LEARNER_STATE_PUBLISHING)
         await self.persist_if_due(metrics)
+        self.watchdog.tick(f"step {self.trainer.step} persisted")
         await self.publish(metrics)
+        self.watchdog.tick(f"step {self.trainer.step} published")
         if self.leader is not None:
             await self.leader.report(metrics, len(groups), len(self.ledger))
 

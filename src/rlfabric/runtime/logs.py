@@ -90,13 +90,19 @@ def enable_stack_dumps() -> None:
 
 
 def _dump_asyncio_tasks(signum: int, frame: Any) -> None:
-    """Writes the stack of every task of the event loop running in the main thread (if one runs). It runs
-    inside the service's main thread, so it never raises: a failure is written instead."""
+    """Writes the stack of every task of the event loop running in the main thread (if one runs)."""
     try:
-        tasks = asyncio.all_tasks(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
     except RuntimeError:  # no event loop runs in this thread
         return
+    print(asyncio_task_stacks(loop), file=sys.stderr, flush=True)
+
+
+def asyncio_task_stacks(loop: asyncio.AbstractEventLoop) -> str:
+    """The stack of each task of `loop`, down the chain of `await`s. Meant for a diagnostic written from a
+    signal handler or another thread, so it never raises: a failure is described instead."""
     try:
+        tasks = asyncio.all_tasks(loop)
         lines = [f"{len(tasks)} asyncio task(s) (most recent call last):"]
         for task in tasks:
             lines.append(f"Task {task.get_name()} ({task.get_coro()!r}):")
@@ -104,9 +110,9 @@ def _dump_asyncio_tasks(signum: int, frame: Any) -> None:
                 f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}'
                 for f in _await_chain(task.get_coro())
             ]
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        return "\n".join(lines)
     except Exception as exc:
-        print(f"asyncio tasks not written: {exc!r}", file=sys.stderr, flush=True)
+        return f"asyncio tasks not written: {exc!r}"
 
 
 def _await_chain(coro: Any) -> Iterator[FrameType]:

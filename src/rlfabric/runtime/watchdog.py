@@ -1,0 +1,87 @@
+"""A progress watchdog: ends a process that is alive but no longer makes progress, so that whoever started
+it restarts it.
+
+A dead process is restarted by its supervisor (`rlfabric up`, Kubernetes, torchrun); a hung one (a lost
+wake-up, a deadlock in native code, an `await` on a connection that will never answer) is not, and a run
+whose learner hangs waits forever. The owner calls `tick()` wherever its work moves on; a thread checks
+that a tick came within `timeout_s`. When none did, it logs what it last saw, writes every thread's stack
+and the event loop's asyncio tasks to stderr (where the hang is), and ends the process at once with
+`EXIT_STALLED`. Exiting abruptly is what a crash does, and the learner's recovery from a crash at any
+point is proven (tests/faults): it resumes from its last complete checkpoint and the books balance.
+
+torch's NCCL watchdog does the same for a collective that never completes; this one covers the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from rlfabric.runtime.logs import asyncio_task_stacks
+
+log = logging.getLogger(__name__)
+
+EXIT_STALLED = 75
+"""The exit code of a process the watchdog ended (EX_TEMPFAIL: a temporary failure, worth a restart)."""
+
+
+class Watchdog:
+    """Ends the process when `tick()` was not called for `timeout_s` seconds (see the module docstring)."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        what: str,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        exit: Callable[[int], object] = os._exit,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.what = what
+        """What makes no progress, for the message ("the learner's training loop")."""
+        self.loop = loop
+        """The event loop whose tasks' stacks are written too (None: threads only)."""
+        self._exit = exit
+        self._last = time.monotonic()
+        self._where = "start"
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self, where: str) -> None:
+        """Progress: the work moved on; `where` names the last place it did, for the message."""
+        self._last, self._where = time.monotonic(), where
+
+    def start(self) -> Watchdog:
+        self.tick("start")
+        self._thread = threading.Thread(target=self._watch, name="rlfabric-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(5.0, self.timeout_s / 10)):
+            idle = time.monotonic() - self._last
+            if idle >= self.timeout_s:
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        log.error(
+            "%s made no progress for %.0f s (the last was: %s): writing every stack and exiting with code %d "
+            "so that its supervisor restarts it", self.what, idle, self._where, EXIT_STALLED,
+        )  # fmt: skip
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        if self.loop is not None:
+            print(asyncio_task_stacks(self.loop), file=sys.stderr, flush=True)
+        self._exit(EXIT_STALLED)
