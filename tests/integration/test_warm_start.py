@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from rlfabric.learner.export import final_model_dir, is_committed
-from rlfabric.local.stack import Stack, learner_process, replica_process
+from rlfabric.local.replicas import replica_process
+from rlfabric.local.services import learner_process
+from rlfabric.local.stack import Stack
 from rlfabric.local.warm_start import WarmStartFailed, run_sft_file, warm_start_dir, warm_started
 from rlfabric.runspec import RunSpec
 from rlfabric.weights import versions as store

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rlfabric.coordinator.pipeline import RunPipeline
-from rlfabric.local.stack import adapter_settings, adapter_slot_rank, check_adapters
+from rlfabric.local.replicas import adapter_settings, adapter_slot_rank, check_adapters
 from rlfabric.runspec import RunSpec
 
 

@@ -8,7 +8,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from rlfabric.local.stack import stand_in_engine
+from rlfabric.local.replicas import stand_in_engine
 from rlfabric.rollout.config import EngineConfig
 
 LORA = ["run_id=demo", "engine.max_adapters=1", "engine.max_adapter_rank=16"]

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rlfabric.local import replicas as replicas_mod
+from rlfabric.local import services, up, up_args
 from rlfabric.local import stack as stack_mod
-from rlfabric.local import up, up_args
 from rlfabric.local.credentials import Credentials
 from rlfabric.local.scaler import ScaleEvent, ScalePolicy
 from rlfabric.runspec import RunSpec
@@ -42,7 +43,7 @@ def test_replica_cores_bind_each_replica_to_its_entry_in_turn(tmp_path: Path) ->
     assert args.replica_cores == ["0", "1-3"]
     stack = stack_mod.Stack(tmp_path)
     spec = replica_spec(tmp_path)
-    replicas = [stack_mod.replica_process(stack, args, spec, "redis://x", i) for i in range(3)]
+    replicas = [replicas_mod.replica_process(stack, args, spec, "redis://x", i) for i in range(3)]
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in replicas] == ["0", "1-3", "0"]
     # the whole replica (front end, engine core) on its cores too, through its guard
     assert [p.cpus for p in replicas] == ["0", "1-3", "0"]
@@ -55,7 +56,7 @@ def test_without_replica_cores_the_environment_decides(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-3")
     args = parse("--engine", "vllm")
     spec = replica_spec(tmp_path)
-    proc = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
+    proc = replicas_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
     assert proc.cpus is None and "--cpus" not in proc.command()
 
@@ -76,7 +77,7 @@ def test_learner_cores_confine_each_learner_with_a_torch_thread_per_core(
     runs = fleet_runs(tmp_path, (8, 8, 8), ("pkg.a:f", "pkg.a:f", "pkg.a:f"))
     stack = stack_mod.Stack(tmp_path)
     args = parse("--learner-cores", "1|2-3")
-    learners = [stack_mod.fleet_learner(stack, args, run.spec, "redis://x", i) for i, run in enumerate(runs)]
+    learners = [services.fleet_learner(stack, args, run.spec, "redis://x", i) for i, run in enumerate(runs)]
     assert [(p.cpus, p.env["OMP_NUM_THREADS"]) for p in learners] == [("1", "1"), ("2-3", "2"), ("1", "1")]
     assert all(p.command()[p.command().index("--cpus") + 1] == p.cpus for p in learners)
     # learners of one entry take turns to train (one lock file per entry)
@@ -85,7 +86,7 @@ def test_learner_cores_confine_each_learner_with_a_torch_thread_per_core(
         str(tmp_path / "learner-cores-1.lock"), str(tmp_path / "learner-cores-2-3.lock"),
         str(tmp_path / "learner-cores-1.lock"),
     ]  # fmt: skip
-    alone = stack_mod.learner_process(stack, parse(), runs[0].spec, "redis://x")
+    alone = services.learner_process(stack, parse(), runs[0].spec, "redis://x")
     assert (alone.cpus, alone.env["OMP_NUM_THREADS"]) == (None, "1") and "--cpus" not in alone.command()
     assert "compute_lock" not in yaml.safe_load((tmp_path / "learner.yaml").read_text())
 
@@ -103,18 +104,18 @@ def test_a_learner_alone_takes_every_core_one_beside_replicas_and_the_flag_wins(
     cores = len(os.sched_getaffinity(0))
 
     def threads(*argv: str, alone: bool = False) -> str:
-        proc = stack_mod.learner_process(stack, parse(*argv), spec, "redis://x", alone=alone)
+        proc = services.learner_process(stack, parse(*argv), spec, "redis://x", alone=alone)
         return proc.env["OMP_NUM_THREADS"]
 
     assert threads() == "1" and threads(alone=True) == str(cores)
     assert threads("--learner-ranks", "2", alone=True) == str(max(1, cores // 2))
     assert threads("--learner-cores", "0-3", alone=True) == "4"  # its cores, not the machine's
     assert threads("--learner-threads", "3") == threads("--learner-threads", "3", alone=True) == "3"
-    assert stack_mod.learner_env(parse(), 0)["OMP_NUM_THREADS"] == "1"  # at least one
+    assert services.learner_env(parse(), 0)["OMP_NUM_THREADS"] == "1"  # at least one
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     assert threads() == threads(alone=True) == threads("--learner-cores", "0-3") == "6"
     assert threads("--learner-threads", "2", "--learner-cores", "0-3") == "2"
-    assert stack_mod.learner_env(parse("--learner-threads", "5"), 1)["OMP_NUM_THREADS"] == "5"
+    assert services.learner_env(parse("--learner-threads", "5"), 1)["OMP_NUM_THREADS"] == "5"
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "x", "1025"])
@@ -162,7 +163,7 @@ time.sleep(60)
 def test_each_service_process_gets_its_own_tokens_only(tmp_path: Path) -> None:
     credentials = Credentials.generate()
     stack = stack_mod.Stack(tmp_path, credentials)
-    reward = stack_mod.reward_process(stack, parse(), spec_naming("pkg.mod:fn"))
+    reward = services.reward_process(stack, parse(), spec_naming("pkg.mod:fn"))
     assert reward.env["RLFABRIC_REWARD__TOKEN"] == credentials.reward
     assert credentials.api not in reward.env.values() and credentials.weights not in reward.env.values()
     assert reward.guarded
@@ -172,11 +173,11 @@ def test_the_reward_service_allows_the_run_files_folder_and_the_specs_functions(
     tmp_path: Path,
 ) -> None:
     run_file = tmp_path / "runs" / "r.yaml"
-    argv = stack_mod.reward_process(
+    argv = services.reward_process(
         stack_mod.Stack(tmp_path), parse(str(run_file)), spec_naming("rewards.py:fn")
     ).argv
     assert f"allowed_functions={json.dumps([str(run_file.parent)])}" in argv
-    demo = stack_mod.reward_process(stack_mod.Stack(tmp_path), parse(), spec_naming("pkg.mod:fn")).argv
+    demo = services.reward_process(stack_mod.Stack(tmp_path), parse(), spec_naming("pkg.mod:fn")).argv
     assert f"allowed_functions={json.dumps(['pkg.mod:fn'])}" in demo
 
 
@@ -373,7 +374,7 @@ def settings(argv: list[str]) -> dict[str, str]:
 
 def test_a_fleet_replica_follows_the_fleet_with_a_slot_per_run_at_the_largest_rank(tmp_path: Path) -> None:
     runs = fleet_runs(tmp_path, (8, 20, 16), ("pkg.a:f", "pkg.b:f", "pkg.a:f"))
-    proc = stack_mod.fleet_replica_process(stack_mod.Stack(tmp_path), parse(), runs, "redis://x", 0)
+    proc = replicas_mod.fleet_replica_process(stack_mod.Stack(tmp_path), parse(), runs, "redis://x", 0)
     got = settings(proc.argv)
     assert got["fleet"] == "local" and "run_id" not in got and "weights_root" not in got
     assert (got["engine.max_adapters"], got["engine.max_adapter_rank"]) == ("3", "32")
@@ -385,12 +386,12 @@ def test_each_run_of_a_fleet_has_its_own_learner_and_the_reward_service_allows_a
 ) -> None:
     runs = fleet_runs(tmp_path, (8, 8), ("pkg.a:f", "pkg.b:g"))
     stack = stack_mod.Stack(tmp_path)
-    learners = [stack_mod.fleet_learner(stack, parse(), r.spec, "redis://x", i) for i, r in enumerate(runs)]
+    learners = [services.fleet_learner(stack, parse(), r.spec, "redis://x", i) for i, r in enumerate(runs)]
     assert [proc.name for proc in learners] == ["learner-r0", "learner-r1"]
     for run in runs:
         config = yaml.safe_load((tmp_path / f"{run.spec.name}.learner.yaml").read_text())
         assert config["run_id"] == run.spec.name and config["run"]["rollout"]["fleet"] == "local"
-    assert stack_mod.fleet_allowed_functions(runs) == ["pkg.a:f", "pkg.b:g"]
+    assert services.fleet_allowed_functions(runs) == ["pkg.a:f", "pkg.b:g"]
 
 
 class ScriptedApi:
@@ -479,10 +480,10 @@ def test_replicas_follow_the_weights_root_the_learner_publishes_to(tmp_path: Pat
     """The default root, or the run file's `weights.url` (where the learner publishes, `RunPaths`)."""
     args = parse("--engine", "vllm")
     spec = replica_spec(tmp_path)
-    default = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
+    default = replicas_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert f"weights_root={tmp_path / 'r' / 'weights'}" in default.argv
     spec = spec.model_copy(update={"weights": spec.weights.model_copy(update={"url": str(tmp_path / "w")})})
-    named = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
+    named = replicas_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0)
     assert f"weights_root={tmp_path / 'w'}" in named.argv
 
 
@@ -490,9 +491,9 @@ def test_replica_max_in_flight_sets_every_replicas_capacity(tmp_path: Path) -> N
     """On a fleet it is the slots the fair share hands out (what the replica registers as capacity)."""
     spec = replica_spec(tmp_path)
     args = parse("--replica-max-in-flight", "16", "--engine", "vllm")
-    argv = stack_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0).argv
+    argv = replicas_mod.replica_process(stack_mod.Stack(tmp_path), args, spec, "redis://x", 0).argv
     assert "max_in_flight=16" in argv
-    default = stack_mod.replica_process(stack_mod.Stack(tmp_path), parse(), spec, "redis://x", 0).argv
+    default = replicas_mod.replica_process(stack_mod.Stack(tmp_path), parse(), spec, "redis://x", 0).argv
     assert not any(a.startswith("max_in_flight=") for a in default)
 
 

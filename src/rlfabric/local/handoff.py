@@ -1,5 +1,5 @@
 """Eager first, compiled next: `rlfabric up --compile` serves from an eager stand-in replica (the
-transformers engine with prompts batched, or eager vLLM: `stack.stand_in_engine`) while a compiled vLLM
+transformers engine with prompts batched, or eager vLLM: `replicas.stand_in_engine`) while a compiled vLLM
 twin of it builds, then hands the work over.
 
 A compiled vLLM replica generates faster on a CPU (1,819 against 1,425 tokens/s eager, measured on two

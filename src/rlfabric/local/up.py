@@ -53,17 +53,9 @@ from typing import Any
 
 from rlfabric.local.credentials import CredentialsError, for_run
 from rlfabric.local.procs import ServiceStartError
-from rlfabric.local.stack import (
-    REDIS_READY,
-    FleetRun,
-    Services,
-    Stack,
-    check_adapters,
-    scale_policy,
-    start_fleet_services,
-    start_redis,
-    start_services,
-)
+from rlfabric.local.replicas import check_adapters
+from rlfabric.local.services import Services, scale_policy, start_fleet_services, start_services
+from rlfabric.local.stack import REDIS_READY, FleetRun, Stack, start_redis
 from rlfabric.local.supervisor import Supervisor
 from rlfabric.local.warm_start import WarmStartFailed
 

@@ -37,7 +37,8 @@ from typing import Any
 import yaml
 
 from rlfabric.learner.export import final_model_dir, is_committed
-from rlfabric.local.stack import OFFLINE_LEARNER_READY, Stack, cli, learner_env
+from rlfabric.local.services import learner_env
+from rlfabric.local.stack import OFFLINE_LEARNER_READY, Stack, cli
 from rlfabric.runspec import RunSpec
 
 WARM_START_ID = "warm_start"
