@@ -17,7 +17,7 @@ from rlfabric.learner.config import LearnerServiceConfig
 from rlfabric.learner.offline import run_offline
 from rlfabric.prefs import store
 from rlfabric.prefs.types import PrefPair
-from rlfabric.validate import check_dataset
+from rlfabric.validate_data import check_dataset
 
 
 @pytest.fixture(scope="module")
