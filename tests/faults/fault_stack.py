@@ -168,7 +168,13 @@ class Stack:
             argv += ["--set", setting]
         self._proc("reward", "reward", argv, r"listening on (\S+)", timeout_s=60, env=self.env)
 
-    def start_replica(self, name: str, ready: str = r"serving version (\d+)", failpoints: str = "") -> str:
+    def start_replica(
+        self,
+        name: str,
+        ready: str = r"serving version (\d+)",
+        failpoints: str = "",
+        settings: tuple[str, ...] = (),
+    ) -> str:
         argv = cli(
             "serve", "rollout", "--model", self.spec.model.path, "--port", "0", "--engine", self.engine
         )
@@ -177,12 +183,13 @@ class Stack:
             argv += ["--host", "0.0.0.0", "--set", f"advertise_address={address}"]
         else:
             argv += ["--host", address]
-        settings = [
+        every = (
             f"run_id={self.spec.name}", f"redis.url={self.redis_url}", f"replica_id={name}",
             f"weights_root={self.weights_root}", "heartbeat_s=0.5", "version_poll_s=0.2",
             "engine.max_model_len=256", "engine.kv_cache_bytes=134217728", "engine.enforce_eager=true",
-        ]  # fmt: skip
-        for setting in settings:
+            *settings,
+        )  # fmt: skip
+        for setting in every:
             argv += ["--set", setting]
         env = {**self.env, "RLFABRIC_FAILPOINTS": failpoints} if failpoints else self.env
         return self._proc(name, "rollout", argv, ready, env=env)
@@ -231,16 +238,21 @@ class Stack:
         reward_settings: tuple[str, ...] = (),
         replica_failpoints: dict[str, str] | None = None,
         learner_settings: dict[str, Any] | None = None,
+        replica_settings: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         """Everything, the slow starters in parallel, then the run (`failpoints` the learner's,
         `replica_failpoints` those of the named replicas, `learner_settings` the learner's configuration
-        beyond the stack's)."""
+        beyond the stack's, `replica_settings` the named replicas' `--set`s beyond the stack's)."""
         self.start_redis()
         armed = replica_failpoints or {}
         with ThreadPoolExecutor(4) as pool:
             jobs = [pool.submit(self.start_reward, *reward_settings)]
             names = [f"rollout-{i}" for i in range(replicas)]
-            jobs += [pool.submit(self.start_replica, n, failpoints=armed.get(n, "")) for n in names]
+            extra = replica_settings or {}
+            jobs += [
+                pool.submit(self.start_replica, n, failpoints=armed.get(n, ""), settings=extra.get(n, ()))
+                for n in names
+            ]
             jobs.append(pool.submit(self.start_learner, failpoints, settings=learner_settings))
             for job in jobs:
                 job.result()

@@ -31,6 +31,27 @@ def test_rollout_replica_sigkilled_mid_generation(make_stack: Callable[..., Stac
     stack.books()
 
 
+def test_a_hung_replica_ends_itself_and_its_requests_go_elsewhere(make_stack: Callable[..., Stack]) -> None:
+    """rollout-0 hangs at its 5th sample (`rollout.mid_generate=5:hang`: its event loop blocked for good,
+    holding a request, the process alive). Its watchdog (`stall_timeout_s`) writes every stack and exits with
+    code 75; the coordinator sends the request it held to rollout-1 and the run completes."""
+    stack = make_stack(train={"steps": 12})
+    stack.start(
+        replicas=2,
+        replica_failpoints={"rollout-0": "rollout.mid_generate=5:hang"},
+        replica_settings={"rollout-0": ("stall_timeout_s=15",)},
+    )
+    replica = stack.procs["rollout-0"]
+    assert replica.proc is not None
+    assert replica.proc.wait(180) == EXIT_STALLED, stack.tails()
+    output = replica.log_path.read_text()
+    assert "the replica's engine made no progress for" in output, stack.tails()
+    assert re.search(r'File ".*failpoints\.py", line \d+ in hit', output), output[-3000:]  # where it hung
+    status = stack.finish()
+    assert status["counters"]["redispatches"] >= 1, status["counters"]
+    stack.books()
+
+
 @pytest.mark.parametrize(
     "failpoint",
     [

@@ -112,6 +112,11 @@ class RolloutServiceConfig(StrictModel):
     """Stable id of this replica; defaults to <hostname>-<port>."""
     max_in_flight: int = Field(default=256, ge=1)
     """Admitted prompts not yet finished; Generate past it gets RESOURCE_EXHAUSTED."""
+    stall_timeout_s: float | None = Field(default=1800.0, ge=10)
+    """A replica with prompts in flight whose engine finishes no sample for this long (a hung engine)
+    writes every stack to its log and exits with code 75, so that whoever started it restarts it; the
+    coordinator sends its requests elsewhere (`runtime.watchdog`). Set it above the time your longest
+    sample takes; None: never."""
     max_prompts_per_request: int = Field(default=256, ge=1)
     """Prompts one Generate request may carry."""
     max_n: int = Field(default=64, ge=1)

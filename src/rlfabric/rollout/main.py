@@ -46,6 +46,7 @@ from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_
 from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
+from rlfabric.runtime.watchdog import Watchdog
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weights.adapters import run_adapter_name
 
@@ -365,11 +366,13 @@ async def run(config: RolloutServiceConfig) -> None:
     try:
         await load_initial_weights(parts)
         await start_heartbeat(parts)
+        start_watchdog(parts)
         follower = follower_of(parts)
         if follower is not None:
             tasks.append(asyncio.get_running_loop().create_task(follower))
         await parts.server.wait_for_termination()
     finally:
+        parts.replica.watchdog.stop()
         for task in tasks:
             task.cancel()
         if parts.heartbeat is not None:
@@ -377,6 +380,17 @@ async def run(config: RolloutServiceConfig) -> None:
                 await parts.heartbeat.stop()
         await parts.engine.close()
         parts.weights.close()
+
+
+def start_watchdog(parts: Parts) -> None:
+    """`stall_timeout_s`: ends a replica whose engine finishes no sample for that long while prompts are
+    in flight (`runtime.watchdog`); its supervisor restarts it."""
+    timeout, replica = parts.config.stall_timeout_s, parts.replica
+    if timeout is None:
+        return
+    replica.watchdog = Watchdog(
+        timeout, "the replica's engine", loop=asyncio.get_running_loop(), busy=lambda: replica.in_flight > 0
+    ).start()
 
 
 def follower_of(parts: Parts) -> Coroutine[Any, Any, None] | None:

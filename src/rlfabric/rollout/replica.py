@@ -41,6 +41,7 @@ from rlfabric.runtime.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from rlfabric.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Replica:
         self.limits = limits
         self.version: int | None = None
         self.in_flight = 0  # admitted prompts whose samples are not all finished
+        self.watchdog = Watchdog(float("inf"), "the replica's engine")  # `main.start_watchdog` arms it
         self.tokens_generated = 0
         self.last_load_s = 0.0
         self.busy_s = 0.0
@@ -159,8 +161,9 @@ class Replica:
         assert version is not None
         try:
             async for sample in self.engine.generate(request_id, prompts, sampling, ref):
-                failpoints.hit("rollout.mid_generate")  # the fault tests' death holding a request
+                failpoints.hit("rollout.mid_generate")  # the fault tests' death (or hang) holding a request
                 self.tokens_generated += len(sample.token_ids)
+                self.watchdog.tick("a sample")
                 yield sample, version
         finally:
             self._release(request_id, len(prompts))
@@ -259,6 +262,7 @@ class Replica:
         try:
             async for sample in self.engine.generate(turn_id, [prompt], sampling, adapter):
                 self.tokens_generated += len(sample.token_ids)
+                self.watchdog.tick("a turn")
                 return sample
         finally:
             for ids in turns:

@@ -3,11 +3,13 @@ it restarts it.
 
 A dead process is restarted by its supervisor (`rlfabric up`, Kubernetes, torchrun); a hung one (a lost
 wake-up, a deadlock in native code, an `await` on a connection that will never answer) is not, and a run
-whose learner hangs waits forever. The owner calls `tick()` wherever its work moves on; a thread checks
-that a tick came within `timeout_s`. When none did, it logs what it last saw, writes every thread's stack
-and the event loop's asyncio tasks to stderr (where the hang is), and ends the process at once with
-`EXIT_STALLED`. Exiting abruptly is what a crash does, and the learner's recovery from a crash at any
-point is proven (tests/faults): it resumes from its last complete checkpoint and the books balance.
+whose learner hangs waits forever (a hung replica holds its requests until the coordinator's deadline,
+then gets new ones). The owner calls `tick()` wherever its work moves on; a thread checks that a tick came
+within `timeout_s` while there is work (`busy`: a replica with nothing in flight is idle, not stalled).
+When none did, it logs what it last saw, writes every thread's stack and the event loop's asyncio tasks to
+stderr (where the hang is), and ends the process at once with `EXIT_STALLED`. Exiting abruptly is what a
+crash does, and recovery from a crash at any point is proven (tests/faults): a learner resumes from its
+last complete checkpoint, a replica's requests go elsewhere, and the books balance.
 
 torch's NCCL watchdog does the same for a collective that never completes; this one covers the rest.
 """
@@ -40,6 +42,7 @@ class Watchdog:
         what: str,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        busy: Callable[[], bool] | None = None,
         exit: Callable[[int], object] = os._exit,
     ) -> None:
         self.timeout_s = timeout_s
@@ -47,6 +50,8 @@ class Watchdog:
         """What makes no progress, for the message ("the learner's training loop")."""
         self.loop = loop
         """The event loop whose tasks' stacks are written too (None: threads only)."""
+        self.busy = busy
+        """Whether there is work to make progress on (None: always): time without work is not a stall."""
         self._exit = exit
         self._last = time.monotonic()
         self._where = "start"
@@ -70,6 +75,9 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(5.0, self.timeout_s / 10)):
+            if self.busy is not None and not self.busy():
+                self.tick("idle")
+                continue
             idle = time.monotonic() - self._last
             if idle >= self.timeout_s:
                 self._fire(idle)
