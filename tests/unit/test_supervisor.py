@@ -13,6 +13,7 @@ import pytest
 
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.local.supervisor import Backoff, Supervisor
+from rlfabric.runtime.watchdog import EXIT_STALLED
 
 FAST = Backoff(base_s=0.05, cap_s=0.2, stable_s=60.0, max_fast_failures=3)
 
@@ -52,6 +53,22 @@ def test_a_dead_process_is_restarted_and_counted(tmp_path: Path, said: list[str]
         until(lambda: proc.running() and proc.pid != first and "is back" in said[-1], supervisor)
         assert supervisor.restarts == {"svc": 1}
         assert said[0].startswith("supervise: svc exited with code")
+    finally:
+        supervisor.close()
+        proc.stop(grace_s=5)
+
+
+def test_a_process_its_watchdog_ended_is_restarted_and_said_to_have_hung(
+    tmp_path: Path, said: list[str]
+) -> None:
+    proc = process(tmp_path, f"import os; os._exit({EXIT_STALLED})")
+    proc.start("ready", timeout_s=30)
+    supervisor = Supervisor(FAST, say=said.append)
+    supervisor.watch(proc, "ready")
+    try:
+        until(lambda: bool(said), supervisor)
+        assert said[0].startswith(f"supervise: svc exited with code {EXIT_STALLED} after ")
+        assert f"(it hung: no progress for its stall_timeout_s; every stack is in {proc.log_path})" in said[0]
     finally:
         supervisor.close()
         proc.stop(grace_s=5)

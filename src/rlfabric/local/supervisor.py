@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfabric.local.procs import ServiceProcess, ServiceStartError
+from rlfabric.runtime.watchdog import EXIT_STALLED
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,10 @@ class Supervisor:
             return
         delay = self.backoff.delay(entry.fast_failures)
         entry.restarts += 1
-        self.say(f"supervise: {proc.name} exited with code {code} after {uptime:.0f} s; restarting "
-                 f"in {delay:.0f} s (restart {entry.restarts})")  # fmt: skip
+        hung = f" (it hung: no progress for its stall_timeout_s; every stack is in {proc.log_path})"
+        self.say(f"supervise: {proc.name} exited with code {code} after {uptime:.0f} s"
+                 f"{hung if code == EXIT_STALLED else ''}; restarting in {delay:.0f} s "
+                 f"(restart {entry.restarts})")  # fmt: skip
         entry.restarting = threading.Thread(target=self._restart, args=(entry, delay), daemon=True)
         entry.restarting.start()
 
