@@ -370,7 +370,8 @@ def check_learner_stalled(
     step = "no learner step yet" if since_step_s is None else f"no learner step for {since_step_s:.0f} s"
     return (
         f"learner stopped consuming: {step} and no read of the stream for {idle_s:.0f} s while "
-        f"{waiting_groups} group(s) wait (is the learner running?)"
+        f"{waiting_groups} group(s) wait (is the learner running? a live one that hangs ends itself after "
+        "its stall_timeout_s and is restarted; `kill -USR1 PID` writes where it waits to its log)"
     )
 
 
