@@ -18,6 +18,18 @@ from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 TOKEN = "stack-dump-token"
 
 
+def score(address: str) -> float:
+    """One exact_match Score call with the token; the reward it got."""
+    request = reward_pb2.ScoreRequest(
+        scorer=reward_pb2.ScorerSpec(named=reward_pb2.NamedScorer(name="exact_match")),
+        items=[reward_pb2.ScoreItem(id="0", completion="42", reference="42")],
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        response = stub.Score(request, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    return float(response.results[0].reward.value)
+
+
 def test_sigusr1_writes_every_threads_stack_and_the_service_keeps_serving(tmp_path: Path) -> None:
     proc = ServiceProcess(
         "reward",
@@ -30,6 +42,7 @@ def test_sigusr1_writes_every_threads_stack_and_the_service_keeps_serving(tmp_pa
     )  # fmt: skip
     try:
         address = proc.start(r"listening on (\S+)", timeout_s=60).group(1)
+        assert score(address) == 1.0  # serving: its main coroutine now waits for termination
         proc.signal(signal.SIGUSR1)
         proc.wait_for(r"^(Current thread|Thread) 0x[0-9a-f]+", timeout_s=30)
         # the main thread's stack names the code it waits in, down to the service's own entry
@@ -42,13 +55,6 @@ def test_sigusr1_writes_every_threads_stack_and_the_service_keeps_serving(tmp_pa
         proc.wait_for(waits_in, timeout_s=30)
         assert proc.running(), "SIGUSR1 ended the service"
 
-        with grpc.insecure_channel(address) as channel:
-            request = reward_pb2.ScoreRequest(
-                scorer=reward_pb2.ScorerSpec(named=reward_pb2.NamedScorer(name="exact_match")),
-                items=[reward_pb2.ScoreItem(id="0", completion="42", reference="42")],
-            )
-            stub = reward_pb2_grpc.RewardServiceStub(channel)
-            response = stub.Score(request, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
-        assert response.results[0].reward.value == 1.0
+        assert score(address) == 1.0
     finally:
         proc.stop()
