@@ -14,18 +14,16 @@ speed. The transformers reference engine keeps replica start-up short on two cor
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import redis
+from up_watch import bearer, run_status, wait_for
 
 from rlfabric.contracts import keys
 from rlfabric.tools import ledger
@@ -37,31 +35,6 @@ STEPS_WITH_TWO = 6
 """Steps trained after the pool saw both replicas, before the stop (each step dispatches 8 groups,
 least loaded first, so the new replica gets about half of them)."""
 TIMEOUT_S = 900.0
-
-
-def wait_for(what: str, proc: subprocess.Popen[str], out: Path, check: Callable[[], Any]) -> Any:
-    """Polls `check` until it returns something truthy; fails when `up` exits first or time runs out."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        assert proc.poll() is None, (
-            f"`up` exited ({proc.returncode}) before {what}:\n{out.read_text()[-3000:]}"
-        )
-        time.sleep(0.5)
-    raise AssertionError(f"no {what} after {TIMEOUT_S:.0f} s:\n{out.read_text()[-3000:]}")
-
-
-def bearer(run_dir: Path) -> dict[str, str]:
-    """The Authorization header with the run's API token (`up` keeps it in credentials.json)."""
-    return {"Authorization": f"Bearer {json.loads((run_dir / 'credentials.json').read_text())['api']}"}
-
-
-def run_status(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
-    try:
-        return dict(httpx.get(f"{url}/v1/runs/demo", headers=headers, timeout=10).json())
-    except httpx.HTTPError:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +49,21 @@ def scaled_run(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, str
         proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
         page = wait_for(
-            "the run's page", proc, out, lambda: re.search(r"page: (http://\S+)/runs/demo", out.read_text())
-        )
+            "the run's page", proc, out,
+            lambda: re.search(r"page: (http://\S+)/runs/demo", out.read_text()), TIMEOUT_S,
+        )  # fmt: skip
         url, headers = page.group(1), bearer(run_dir)
 
         def step_with_two() -> int | None:
-            status = run_status(url, headers)
-            scaling = (status or {}).get("scaling") or {}
+            status = run_status(url, headers, "demo")
+            scaling = status.get("scaling") or {}
             return int(status["step"] or 0) + 1 if status and scaling.get("replicas") == 2 else None
 
-        seen_at = wait_for("a second replica in the pool", proc, out, step_with_two)
+        seen_at = wait_for("a second replica in the pool", proc, out, step_with_two, TIMEOUT_S)
         wait_for(
             f"step {seen_at + STEPS_WITH_TWO}", proc, out,
-            lambda: int((run_status(url, headers) or {}).get("step") or 0) >= seen_at + STEPS_WITH_TWO,
+            lambda: int(run_status(url, headers, "demo").get("step") or 0) >= seen_at + STEPS_WITH_TWO,
+            TIMEOUT_S,
         )  # fmt: skip
         httpx.post(f"{url}/v1/runs/demo/stop", headers=headers, timeout=10).raise_for_status()
         returncode = proc.wait(timeout=TIMEOUT_S)

@@ -10,18 +10,16 @@ low target busy fraction makes the rule ask for it early whatever the machine's 
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import redis
+from up_watch import bearer, run_status, wait_for
 
 from rlfabric.contracts import keys
 from rlfabric.tools import ledger
@@ -33,26 +31,6 @@ MAX_STEPS = 300
 STEPS_WITH_TWO = 4
 """Steps each run trains after both runs' pools saw the second replica, before the stop."""
 TIMEOUT_S = 1200.0
-
-
-def wait_for(what: str, proc: subprocess.Popen[str], out: Path, check: Callable[[], Any]) -> Any:
-    """Polls `check` until it returns something truthy; fails when `up` exits first or time runs out."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        assert proc.poll() is None, (
-            f"`up` exited ({proc.returncode}) before {what}:\n{out.read_text()[-4000:]}"
-        )
-        time.sleep(0.5)
-    raise AssertionError(f"no {what} after {TIMEOUT_S:.0f} s:\n{out.read_text()[-4000:]}")
-
-
-def status(url: str, headers: dict[str, str], run: str) -> dict[str, Any]:
-    try:
-        return dict(httpx.get(f"{url}/v1/runs/{run}", headers=headers, timeout=10).json())
-    except httpx.HTTPError:
-        return {}
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +56,24 @@ def scaled_fleet(tmp_path_factory: pytest.TempPathFactory, vllm_env: dict[str, s
         proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
         page = wait_for(
-            "the runs' pages",
-            proc,
-            out,
-            lambda: re.search(r"page: (http://\S+)/runs/demo-2", out.read_text()),
-        )
-        url = page.group(1)
-        token = json.loads((run_dir / "credentials.json").read_text())["api"]
-        headers = {"Authorization": f"Bearer {token}"}
+            "the runs' pages", proc, out,
+            lambda: re.search(r"page: (http://\S+)/runs/demo-2", out.read_text()), TIMEOUT_S,
+        )  # fmt: skip
+        url, headers = page.group(1), bearer(run_dir)
 
         def steps_with_two() -> dict[str, int] | None:
-            found = {run: status(url, headers, run) for run in RUNS}
+            found = {run: run_status(url, headers, run) for run in RUNS}
             if all((s.get("scaling") or {}).get("replicas") == 2 for s in found.values()):
                 return {run: int(s.get("step") or 0) for run, s in found.items()}
             return None
 
-        seen_at = wait_for("the second replica serving both runs", proc, out, steps_with_two)
+        seen_at = wait_for("the second replica serving both runs", proc, out, steps_with_two, TIMEOUT_S)
         for run in RUNS:
             target = seen_at[run] + STEPS_WITH_TWO
             wait_for(
                 f"{run} step {target}", proc, out,
-                lambda run=run, target=target: int(status(url, headers, run).get("step") or 0) >= target,
+                lambda run=run, target=target: int(run_status(url, headers, run).get("step") or 0) >= target,
+                TIMEOUT_S,
             )  # fmt: skip
         for run in RUNS:
             httpx.post(f"{url}/v1/runs/{run}/stop", headers=headers, timeout=10).raise_for_status()

@@ -144,7 +144,7 @@ class StepSource:
         await drop_stale_once(self.redis, self.run_id, delivery.entry_id, group_id, lag, version)
         await self.consumer.ack([delivery.entry_id])  # acknowledged already: this clears the local record
         self.counters.dropped_stale += 1
-        log.info("dropped stale group %s (lag %d)", delivery.group.group_id, lag)
+        log.info("dropped stale group %s (lag %d)", group_id, lag)
 
 
 class Publisher:

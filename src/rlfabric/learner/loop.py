@@ -80,18 +80,18 @@ class TrainingLoop:
         self.applied_log: list[list[Any]] = []  # [step, group_id] in the order applied, in this lineage
         self.pending: list[str] = []  # entry ids trained but not yet covered by a checkpoint (rank 0)
         self.checkpoint_step = 0  # the step of the newest checkpoint this process wrote (0: none yet)
-        self.watchdog = Watchdog(float("inf"), "the learner's training loop")  # started in `run`
+        self.watchdog = Watchdog(float("inf"), "the learner's training loop")  # `start_watchdog` arms it
 
     async def run(self) -> None:
         await self.start()
         await self.resume()
-        watchdog = self.start_watchdog()
+        self.start_watchdog()
         try:
             await self.train()
-            watchdog.tick("the run's end")
+            self.watchdog.tick("the run's end")
             await self.finish()
         finally:
-            watchdog.stop()
+            self.watchdog.stop()
 
     async def train(self) -> None:
         warmed = False
@@ -107,16 +107,15 @@ class TrainingLoop:
                     await asyncio.to_thread(self.warm_up)  # replicas' generation of the next one
                     warmed = True
 
-    def start_watchdog(self) -> Watchdog:
+    def start_watchdog(self) -> None:
         """`config.stall_timeout_s`: ticked by each pass of the loop, each finished part of a step and each
-        forward pass of the policy (a long step is progress); a disabled one never fires."""
+        forward pass of the policy (a long step is progress); None leaves the idle one, which never fires."""
         timeout = self.config.stall_timeout_s
-        self.watchdog = Watchdog(timeout or float("inf"), "the learner's training loop",
-                                 loop=asyncio.get_running_loop())  # fmt: skip
-        if timeout is not None:
-            self.trainer.model.register_forward_pre_hook(lambda *_: self.watchdog.tick("a forward pass"))
-            self.watchdog.start()
-        return self.watchdog
+        if timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        self.watchdog = Watchdog(timeout, "the learner's training loop", loop=loop).start()
+        self.trainer.model.register_forward_pre_hook(lambda *_: self.watchdog.tick("a forward pass"))
 
     # --- set-up ------------------------------------------------------------------------------------
 
