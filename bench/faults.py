@@ -1,19 +1,23 @@
 """Fault table: kill each service of a running `rlfabric up` and measure what the recovery cost.
 
-    python bench/faults.py [--repeats 3] [--scenarios none learner replica reward coordinator redis]
-                           [--steps 10] [--fault-at-step 3] [--engine transformers|vllm] [--quick]
-                           [--output-dir bench/results]
+    python bench/faults.py [--repeats 3] [--scenarios none learner replica reward coordinator redis
+                                                      learner-hang replica-hang]
+                           [--steps 10] [--fault-at-step 3] [--stall-timeout 30]
+                           [--engine transformers|vllm] [--quick] [--output-dir bench/results]
 
 Each run is a real `rlfabric up` (every service its own process on loopback) training the built-in demo
 task with checkpoints every 2 steps. Once the learner has written step `--fault-at-step`, the scenario's
 process is SIGKILLed (found by its command line among `up`'s descendants); `up` must bring it back
-without a human, and the run must complete. Afterwards the run's Redis is reopened from its AOF and the
-books are reconciled (`rlfabric.tools.ledger`). Per run:
+without a human, and the run must complete. The two `-hang` scenarios leave the process alive and stuck
+instead (a failpoint that blocks, fired once: `RLFABRIC_FAILPOINTS_FIRED`): the learner after step
+`--fault-at-step`, the replica while it holds a request at about that step. Its watchdog
+(`stall_timeout_s`, set to `--stall-timeout` for the run) must end it, and `up` restart it. Afterwards
+the run's Redis is reopened from its AOF and the books are reconciled (`rlfabric.tools.ledger`). Per run:
 
-- recovery: seconds from the kill to the next step row the learner writes to metrics.jsonl. For a
-  reward or coordinator kill the learner may still hold groups queued before the fault, so this is the
-  time until training went on, not the time until the killed service served again (both are printed in
-  `up`'s log, one line per restart);
+- recovery: seconds from the kill (or the hang) to the next step row the learner writes to
+  metrics.jsonl. For a reward, coordinator or replica fault the learner may still hold groups queued
+  before it, so this is the time until training went on, not the time until the service served again
+  (`up`'s log has one line per restart). A hang's recovery includes the `--stall-timeout` it waited;
 - prompts lost: groups with no outcome, entries acknowledged but never trained, prompts taken from the
   dataset but never recorded (must be 0);
 - groups trained twice (must be 0);
@@ -57,7 +61,9 @@ from common import (
     report_results,
 )
 
-SCENARIOS = ("none", "learner", "replica", "reward", "coordinator", "redis")
+from rlfabric.runtime import failpoints
+
+SCENARIOS = ("none", "learner", "replica", "reward", "coordinator", "redis", "learner-hang", "replica-hang")
 RUN_ID = "faults"
 REWARD_FILE = '''"""The demo's reward, as a function defined in a file of the run file's own folder (the
 folder `up` allows): a name merely re-exported from another module is refused as that module's."""
@@ -93,7 +99,7 @@ class RunResult:
     exit_code: int | None
     wall_s: float
     recovery_s: float | None
-    """Kill to the next metrics.jsonl step row; None for `none` or when training never went on."""
+    """Kill (or hang) to the next metrics.jsonl step row; None for `none` or when training never went on."""
     killed_pid: int | None
     prompts_lost: int
     trained_twice: int
@@ -249,6 +255,27 @@ def books_figures(audited: dict[str, Any], group_size: int) -> dict[str, Any]:
     }
 
 
+def hang_env(scenario: str, args: Any, fired: Path) -> dict[str, str]:
+    """The environment that makes a `-hang` scenario's service hang once (empty for the others): a
+    blocking failpoint, the folder that makes it fire once, and the service's watchdog timeout."""
+    if not scenario.endswith("-hang"):
+        return {}
+    service = scenario.removesuffix("-hang")
+    if service == "learner":
+        point, variable = f"learner.after_step={args.fault_at_step}", "RLFABRIC_LEARNER__STALL_TIMEOUT_S"
+    else:  # one failpoint hit per sample generated: about the fault step's last sample
+        nth = args.fault_at_step * args.groups_per_step * args.group_size
+        point, variable = f"rollout.mid_generate={nth}", "RLFABRIC_ROLLOUT__STALL_TIMEOUT_S"
+    return {
+        failpoints.ENV: f"{point}:hang",
+        failpoints.FIRED_ENV: str(fired),
+        variable: str(args.stall_timeout),
+    }
+
+
+HANG_POINTS = {"learner-hang": "learner.after_step", "replica-hang": "rollout.mid_generate"}
+
+
 def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
     """One `rlfabric up` run with the scenario's fault; the run folder is removed unless --keep."""
     work = root / f"{scenario}-{index}"
@@ -259,14 +286,13 @@ def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
     argv += ["--engine", args.engine, "--no-progress"]
     log = (work / "up.log").open("wb")
     started = time.monotonic()
-    up = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **hang_env(scenario, args, work / "fired")}
+    up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     metrics = run_dir / RUN_ID / "metrics.jsonl"
     tree: set[int] = set()
     pid, killed_at, rows_before, notes = None, 0.0, 0, []
     try:
-        if scenario != "none":
+        if scenario != "none" and scenario not in HANG_POINTS:
             pid, killed_at = inject(up, scenario, metrics, args.fault_at_step)
             rows_before = len(step_rows(metrics))
         while up.poll() is None:
@@ -283,6 +309,14 @@ def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
     finally:
         log.close()
     wall = time.monotonic() - started
+    recovery = None if pid is None else recovery_time(metrics, rows_before, killed_at)
+    if scenario in HANG_POINTS:
+        hung_at = failpoints.fired_at(work / "fired", HANG_POINTS[scenario])
+        if hung_at is None:
+            notes.append("the hang never fired")
+        else:
+            rows_before = sum(1 for r in step_rows(metrics) if float(r.get("time", 0)) < hung_at)
+            recovery = recovery_time(metrics, rows_before, hung_at)
     survivors = sorted(p for p in tree if _alive(p))
     text = (work / "up.log").read_text(errors="replace")
     figures = books_figures(audit(run_dir), args.group_size)
@@ -291,7 +325,7 @@ def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
         completed=up.returncode == 0,
         exit_code=up.returncode,
         wall_s=wall,
-        recovery_s=None if pid is None else recovery_time(metrics, rows_before, killed_at),
+        recovery_s=recovery,
         killed_pid=pid,
         survivors=survivors,
         restarts_logged=len(re.findall(r"(?im)^.*restart", text)),
@@ -357,14 +391,15 @@ def table_row(scenario: str, t: dict[str, Any]) -> list[Any]:
 
 
 def markdown(table: dict[str, Any], machine: dict[str, Any], args: Any) -> str:
-    headers = ["fault (SIGKILL)", "runs completed", "recovery s (median, min..max)", "prompts lost",
+    headers = ["fault (SIGKILL, or -hang)", "runs completed", "recovery s (median, min..max)", "prompts lost",
                "trained twice", "ledger violations", "samples wasted (median)", "dropped stale (median)",
                "processes left"]  # fmt: skip
     rows = [table_row(scenario, t) for scenario, t in table.items()]
     head = (
         f"## faults\n\n`rlfabric up --engine {args.engine}`, the demo task, {args.steps} steps of "
-        f"{args.groups_per_step} groups x {args.group_size} samples, checkpoint every 2 steps; the kill at "
-        f"step {args.fault_at_step}. {machine_line(machine)}\n\n"
+        f"{args.groups_per_step} groups x {args.group_size} samples, checkpoint every 2 steps; the kill (or "
+        f"hang) at step {args.fault_at_step}; a hung service's `stall_timeout_s` {args.stall_timeout:g} s. "
+        f"{machine_line(machine)}\n\n"
     )
     return head + markdown_table(headers, rows)
 
@@ -375,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--steps", type=int, default=10, help="learner steps per run (default 10)")
     parser.add_argument("--fault-at-step", type=int, default=3, help="kill after this step (default 3)")
+    parser.add_argument("--stall-timeout", type=float, default=30,
+                        help="the hung service's stall_timeout_s (default 30)")  # fmt: skip
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per run before giving up")
     parser.add_argument("--keep", action="store_true", help="keep every run's folder")

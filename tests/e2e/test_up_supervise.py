@@ -34,6 +34,7 @@ import psutil
 import pytest
 import redis
 
+from rlfabric.runtime import failpoints
 from rlfabric.tools import ledger
 
 STEPS = 14
@@ -180,6 +181,39 @@ def test_up_restarts_a_killed_learner_and_replica(
     output = up.output()
     assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
     assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1)" in output, output[-3000:]
+    assert survivors(up.seen) == []
+    assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
+
+
+def test_up_restarts_a_hung_learner_and_replica(
+    tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
+) -> None:
+    """The learner hangs after step 3 and the replica while holding a request (failpoints that block,
+    each once: their restarted selves pass). Each one's watchdog writes its stacks and exits with 75 after
+    `stall_timeout_s`; `up` restarts it, says why, and the run completes with balanced books."""
+    hangs = {
+        failpoints.ENV: f"learner.after_step=3:hang,rollout.mid_generate={3 * 64}:hang",
+        failpoints.FIRED_ENV: str(tmp_path / "fired"),
+        "RLFABRIC_LEARNER__STALL_TIMEOUT_S": "10",
+        "RLFABRIC_ROLLOUT__STALL_TIMEOUT_S": "10",
+    }
+    up = Up(tmp_path / "run", "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS),
+            "--engine", "transformers", env={**env, **hangs})  # fmt: skip
+    try:
+        returncode = up.finish()
+    finally:
+        up.stop()
+    output = up.output()
+    assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "fired").iterdir()) == [
+        "learner.after_step",
+        "rollout.mid_generate",
+    ]
+    for service in ("learner", "rollout-0"):
+        assert re.search(rf"supervise: {service} exited with code 75 .*\(it hung", output), output[-3000:]
+        log = (tmp_path / "run" / "logs" / f"{service}.log").read_text(errors="replace")
+        assert "failpoints.py" in log and "no progress" in log, log[-2000:]
+    assert "restarts: 2 (learner 1, rollout-0 1)" in output, output[-3000:]
     assert survivors(up.seen) == []
     assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
 

@@ -5,8 +5,13 @@ learner's real exit and restart are in tests/faults/test_kills.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +80,23 @@ def test_failpoints_parse_kill_and_hang() -> None:
     }
     with pytest.raises(ValueError, match="unknown action 'sleep'"):
         failpoints._parse("a.b=1:sleep")
+
+
+def test_a_failpoint_with_a_fired_folder_fires_once_among_processes(tmp_path: Path) -> None:
+    """The first process to reach it is killed and leaves its marker; the next (its restarted self, or
+    another process sharing the folder) passes it. Without the folder, each process dies there."""
+    code = "from rlfabric.runtime import failpoints; failpoints.hit('x.y'); print('passed')"
+    fired = tmp_path / "fired"
+
+    def reach(**extra: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, failpoints.ENV: "x.y=1", **extra}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    first = reach(**{failpoints.FIRED_ENV: str(fired)})
+    assert first.returncode == -signal.SIGKILL, first
+    stamp, pid, action = (fired / "x.y").read_text().split()
+    assert action == "kill" and int(pid) > 0
+    assert failpoints.fired_at(fired, "x.y") == float(stamp) and failpoints.fired_at(fired, "a.b") is None
+    again = reach(**{failpoints.FIRED_ENV: str(fired)})
+    assert again.returncode == 0 and again.stdout == "passed\n", again
+    assert reach().returncode == -signal.SIGKILL  # no folder: armed in every process
