@@ -185,17 +185,20 @@ def test_up_restarts_a_killed_learner_and_replica(
     assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
 
 
-def test_up_restarts_a_hung_learner_and_replica(
+def test_up_restarts_a_hung_learner_replica_and_coordinator(
     tmp_path: Path, env: dict[str, str], reopen_aof: Callable[[Path], redis.Redis]
 ) -> None:
-    """The learner hangs after step 3 and the replica while holding a request (failpoints that block,
-    each once: their restarted selves pass). Each one's watchdog writes its stacks and exits with 75 after
-    `stall_timeout_s`; `up` restarts it, says why, and the run completes with balanced books."""
+    """The learner hangs after step 3, the replica while holding a request, and the coordinator's event
+    loop after generating a group at about step 7 (failpoints that block, each once: their restarted selves
+    pass). Each one's watchdog writes its stacks and exits with 75 after `stall_timeout_s`; `up` restarts
+    it, says why, and the run completes with balanced books."""
+    points = (
+        f"learner.after_step=3:hang,rollout.mid_generate={3 * 64}:hang,coordinator.after_generate=56:hang"
+    )
     hangs = {
-        failpoints.ENV: f"learner.after_step=3:hang,rollout.mid_generate={3 * 64}:hang",
+        failpoints.ENV: points,
         failpoints.FIRED_ENV: str(tmp_path / "fired"),
-        "RLFABRIC_LEARNER__STALL_TIMEOUT_S": "10",
-        "RLFABRIC_ROLLOUT__STALL_TIMEOUT_S": "10",
+        **{f"RLFABRIC_{service}__STALL_TIMEOUT_S": "10" for service in ("LEARNER", "ROLLOUT", "COORDINATOR")},
     }
     up = Up(tmp_path / "run", "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS),
             "--engine", "transformers", env={**env, **hangs})  # fmt: skip
@@ -205,15 +208,13 @@ def test_up_restarts_a_hung_learner_and_replica(
         up.stop()
     output = up.output()
     assert returncode == 0 and f"run demo: completed at step {STEPS}" in output, output[-3000:]
-    assert sorted(p.name for p in (tmp_path / "fired").iterdir()) == [
-        "learner.after_step",
-        "rollout.mid_generate",
-    ]
-    for service in ("learner", "rollout-0"):
+    fired = sorted(p.name for p in (tmp_path / "fired").iterdir())
+    assert fired == ["coordinator.after_generate", "learner.after_step", "rollout.mid_generate"]
+    for service in ("learner", "rollout-0", "coordinator"):
         assert re.search(rf"supervise: {service} exited with code 75 .*\(it hung", output), output[-3000:]
         log = (tmp_path / "run" / "logs" / f"{service}.log").read_text(errors="replace")
         assert "failpoints.py" in log and "no progress" in log, log[-2000:]
-    assert "restarts: 2 (learner 1, rollout-0 1)" in output, output[-3000:]
+    assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1)" in output, output[-3000:]
     assert survivors(up.seen) == []
     assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlfabric.runtime import failpoints
-from rlfabric.runtime.watchdog import EXIT_STALLED, Watchdog
+from rlfabric.runtime.watchdog import EXIT_STALLED, Watchdog, watch_event_loop
 
 
 class Exits:
@@ -63,6 +63,30 @@ def test_it_writes_where_each_asyncio_task_waits(capfd: pytest.CaptureFixture[st
     err = capfd.readouterr().err
     assert "Task the-stuck-one" in err
     assert "in stuck" in err and "in wait" in err  # down the awaits: stuck() awaits Event.wait()
+
+
+def test_an_event_loop_that_stops_turning_is_ended_and_a_busy_one_is_not(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`watch_event_loop`: a loop awaiting for three timeouts is quiet; a coroutine blocking it (a sync
+    sleep standing in for a call that never returns) ends the process, with that coroutine's frame in the
+    threads' stacks."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        exits = Exits()
+        watchdog = await watch_event_loop(0.4, "the test's event loop", exit=exits)
+        assert watchdog is not None and await watch_event_loop(None, "nothing") is None
+        await asyncio.sleep(1.2)  # awaits: the loop turns, the heartbeat ticks
+        quiet = list(exits.codes)
+        time.sleep(1.5)  # the blocked loop under test
+        watchdog.stop()
+        return quiet, exits.codes
+
+    quiet, codes = asyncio.run(main())
+    assert quiet == [] and codes == [EXIT_STALLED]
+    err = capfd.readouterr().err
+    assert "in main" in err  # the blocking coroutine's frame
+    assert "the test's event loop made no progress" in caplog.text
 
 
 def test_a_stopped_watchdog_never_fires() -> None:

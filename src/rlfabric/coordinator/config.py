@@ -131,6 +131,12 @@ class CoordinatorServiceConfig(StrictModel):
     """The autoscaling signal each run exports (rlfabric_coordinator_desired_replicas and friends)."""
     prefs: PrefsBuildsConfig = Field(default_factory=PrefsBuildsConfig)
     """Preference-data builds submitted as jobs."""
+    stall_timeout_s: float | None = Field(default=300.0, ge=10)
+    """A coordinator whose event loop does not turn for this long (a call that blocks it and never returns:
+    the REST API and every run's pipeline wait behind it) writes every stack to its log and exits with
+    code 75, so that whoever started it restarts it; the runs resume from Redis (`runtime.watchdog`). The
+    loop turns many times a second when healthy, and slow work (loading a dataset, checks) runs off it;
+    None: never."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve coordinator --insecure`): the tokens above are no longer
     required at start (those set are still used) and a WARNING is logged. For tests and loopback only."""

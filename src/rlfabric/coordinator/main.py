@@ -43,7 +43,9 @@ async def run(config: CoordinatorServiceConfig) -> None:
     from rlfabric.coordinator.api import create_app
     from rlfabric.coordinator.checks import SubmitCheck, preload
     from rlfabric.coordinator.manager import RunManager
+    from rlfabric.runtime.watchdog import watch_event_loop
 
+    watchdog = await watch_event_loop(config.stall_timeout_s, "the coordinator's event loop")
     redis = config.redis.connect()
     manager = RunManager(config, redis)
     check = SubmitCheck(config) if config.checks.on_submit else None
@@ -60,6 +62,8 @@ async def run(config: CoordinatorServiceConfig) -> None:
     finally:
         await manager.close()
         await redis.aclose()
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def serve(config: CoordinatorServiceConfig) -> int:

@@ -62,7 +62,7 @@ from rlfabric.coordinator.scaling import (
 from rlfabric.coordinator.scoring import GroupScorer
 from rlfabric.reward.spec import ItemResult
 from rlfabric.runspec import RunSpec, SamplingSpec
-from rlfabric.runtime import telemetry
+from rlfabric.runtime import failpoints, telemetry
 from rlfabric.runtime.aio import cancel_point
 from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
 from rlfabric.weights.adapters import run_adapter_name
@@ -356,6 +356,7 @@ class RunPipeline:
                 ):
                     if samples is None:
                         samples = await self.generate_group(item, row)
+                        failpoints.hit("coordinator.after_generate")  # the fault tests' kill or hang
                     if samples:  # [] when dropped as invalid
                         scores = await self.scorer.score_held(row, samples, item.epoch)
                         await self.finish_group(item, row, samples, scores)

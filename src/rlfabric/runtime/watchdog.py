@@ -57,6 +57,8 @@ class Watchdog:
         self._where = "start"
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.heartbeat: asyncio.Task[None] | None = None
+        """The task that ticks it from an event loop (`watch_event_loop`), kept referenced."""
 
     def tick(self, where: str) -> None:
         """Progress: the work moved on; `where` names the last place it did, for the message."""
@@ -70,6 +72,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         if self._thread is not None:
             self._thread.join()
 
@@ -93,3 +97,24 @@ class Watchdog:
         if self.loop is not None:
             print(asyncio_task_stacks(self.loop), file=sys.stderr, flush=True)
         self._exit(EXIT_STALLED)
+
+
+async def watch_event_loop(
+    timeout_s: float | None, what: str, *, exit: Callable[[int], object] = os._exit
+) -> Watchdog | None:
+    """Arms a watchdog on the running event loop: a task ticks it every second, so only a loop that stops
+    turning (a blocking call in a coroutine that never returns: every request and every run of the service
+    waits behind it) goes `timeout_s` without a tick. None (and nothing armed) when `timeout_s` is None.
+    The heartbeat task lives as long as the loop; the caller keeps the watchdog to `stop()` it."""
+    if timeout_s is None:
+        return None
+    loop = asyncio.get_running_loop()
+    watchdog = Watchdog(timeout_s, what, loop=loop, exit=exit).start()
+
+    async def heartbeat() -> None:
+        while True:
+            watchdog.tick("the event loop turned")
+            await asyncio.sleep(min(1.0, timeout_s / 10))
+
+    watchdog.heartbeat = loop.create_task(heartbeat(), name="rlfabric-watchdog-heartbeat")
+    return watchdog
