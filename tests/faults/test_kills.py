@@ -9,6 +9,7 @@ inside a live loop, with the coordinator still producing while the learner is do
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 
 import pytest
@@ -43,7 +44,13 @@ def test_a_hung_replica_ends_itself_and_its_requests_go_elsewhere(make_stack: Ca
     )
     replica = stack.procs["rollout-0"]
     assert replica.proc is not None
-    assert replica.proc.wait(180) == EXIT_STALLED, stack.tails()
+    try:
+        code = replica.proc.wait(180)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"rollout-0 still running after 180 s\n{stack.tails()}\n{stack.stacks()}"
+        ) from None
+    assert code == EXIT_STALLED, stack.tails()
     output = replica.log_path.read_text()
     assert "the replica's engine made no progress for" in output, stack.tails()
     assert re.search(r'File ".*failpoints\.py", line \d+ in hit', output), output[-3000:]  # where it hung

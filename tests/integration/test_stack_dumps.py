@@ -1,6 +1,8 @@
 """`kill -USR1 PID` on a running service writes every thread's Python stack and the service goes on
 (`runtime.logs.enable_stack_dumps`, installed by `rlfabric serve` for every service): what an operator
 looks at first when a run stops making progress, and what the fault suite collects when a wait times out.
+A service whose event loop stops turning writes the same stacks itself and exits with code 75
+(`runtime.watchdog.watch_event_loop`), so that whoever started it restarts it.
 """
 
 from __future__ import annotations
@@ -8,17 +10,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from rlfabric.local.procs import ServiceProcess
+from rlfabric.runtime import failpoints
+from rlfabric.runtime.watchdog import EXIT_STALLED
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 TOKEN = "stack-dump-token"
 
 
-def score(address: str) -> float:
+def score(address: str, timeout_s: float = 30) -> float:
     """One exact_match Score call with the token; the reward it got."""
     request = reward_pb2.ScoreRequest(
         scorer=reward_pb2.ScorerSpec(named=reward_pb2.NamedScorer(name="exact_match")),
@@ -26,7 +32,7 @@ def score(address: str) -> float:
     )
     with grpc.insecure_channel(address) as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
-        response = stub.Score(request, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+        response = stub.Score(request, timeout=timeout_s, metadata=(("authorization", f"Bearer {TOKEN}"),))
     return float(response.results[0].reward.value)
 
 
@@ -56,5 +62,34 @@ def test_sigusr1_writes_every_threads_stack_and_the_service_keeps_serving(tmp_pa
         assert proc.running(), "SIGUSR1 ended the service"
 
         assert score(address) == 1.0
+    finally:
+        proc.stop()
+
+
+def test_a_service_whose_event_loop_blocks_ends_itself_with_its_stacks(tmp_path: Path) -> None:
+    """A Score call blocks the reward service's event loop for good (a failpoint that hangs in the
+    handler): no RPC can be answered, health checks included, yet the process is alive. After its
+    `stall_timeout_s` (10 s) it writes every stack, the blocking handler's among them, and exits 75."""
+    proc = ServiceProcess(
+        "reward",
+        [
+            sys.executable, "-m", "rlfabric.cli", "serve", "reward", "--port", "0",
+            "--set", "workers=1", "--set", "log.format=text", "--set", "stall_timeout_s=10",
+        ],
+        log_path=tmp_path / "reward.log",
+        env={**os.environ, "RLFABRIC_REWARD__TOKEN": TOKEN, failpoints.ENV: "reward.score=2:hang"},
+    )  # fmt: skip
+    try:
+        address = proc.start(r"listening on (\S+)", timeout_s=60).group(1)
+        assert score(address) == 1.0  # the first call is served; the second blocks the loop
+        with pytest.raises(grpc.RpcError) as blocked:
+            score(address, timeout_s=3)
+        assert blocked.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        proc.wait_for(r"the reward service's event loop made no progress for \d+ s", timeout_s=60)
+        proc.wait_for(r'File ".*rlfabric[/\\]reward[/\\]server\.py", line \d+ in Score', timeout_s=30)
+        deadline = time.monotonic() + 30
+        while proc.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.returncode == EXIT_STALLED
     finally:
         proc.stop()

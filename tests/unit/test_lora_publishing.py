@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlfabric.coordinator.pipeline import RunPipeline
+from rlfabric.coordinator.dispatch import Dispatcher
 from rlfabric.local.replicas import adapter_settings, adapter_slot_rank, check_adapters
 from rlfabric.runspec import RunSpec
 
@@ -46,7 +46,7 @@ def test_up_refuses_adapters_it_cannot_serve() -> None:
 
 
 class _Run:
-    """What `RunPipeline.adapter_for` reads."""
+    """What `Dispatcher.adapter_for` reads."""
 
     def __init__(self, run_spec: RunSpec) -> None:
         self.spec, self.run_id = run_spec, "run-a"
@@ -64,4 +64,4 @@ class _Run:
 def test_requests_name_the_runs_adapter_once_one_is_published(
     lora: dict[str, Any] | None, version: int, adapter: str
 ) -> None:
-    assert RunPipeline.adapter_for(_Run(spec(lora)), version) == adapter  # type: ignore[arg-type]
+    assert Dispatcher.adapter_for(_Run(spec(lora)), version) == adapter  # type: ignore[arg-type]

@@ -42,6 +42,14 @@ def eval_sampling(spec: RunSpec) -> SamplingSpec:
     return spec.rollout.sampling.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
+class Generates(Protocol):
+    """The run's generation (`dispatch.Dispatcher`)."""
+
+    async def generate(
+        self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
+    ) -> list[rollout_pb2.GeneratedSample]: ...
+
+
 class Pipeline(Protocol):
     """What an evaluation uses of the run's pipeline: its generation, scoring and books."""
 
@@ -49,9 +57,8 @@ class Pipeline(Protocol):
     spec: RunSpec
     redis: Any
 
-    async def generate(
-        self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
-    ) -> list[rollout_pb2.GeneratedSample]: ...
+    @property
+    def dispatcher(self) -> Generates: ...
     async def learner_step(self) -> int: ...
     async def count(self, counter: Counter, n: int = 1) -> None: ...
     async def refused_as_too_long(self, row: PromptRow, reason: str) -> None: ...
@@ -121,7 +128,8 @@ class Evaluator:
         cannot be evaluated."""
         item = InFlight(f"eval:{row.prompt_id}:s{step}", row.prompt_id, 0, 0)
         try:
-            samples = [s for s in await self.pipeline.generate(item, row, self.sampling) if evaluable(s)]
+            generated = await self.pipeline.dispatcher.generate(item, row, self.sampling)
+            samples = [s for s in generated if evaluable(s)]
             if not samples:
                 return Outcome()
             scores = await self.score(row, samples)

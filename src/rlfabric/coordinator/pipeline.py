@@ -5,7 +5,8 @@
                    queued and not yet trained + in flight < (1 + max_staleness) * groups_per_step,
                    and no more than the steps left can train: < (steps - step) * groups_per_step
       2. draw      a prompt left in flight by a previous coordinator first, else the cursor's next
-      3. dispatch  to the least-loaded serving replica (discovered in the Redis registry), which admits it
+      3. dispatch  (`dispatch.Dispatcher`, which the held-out evaluation uses too) to the least-loaded
+                   serving replica (discovered in the Redis registry), which admits it
                    only once it serves the learner's latest announced version (a run on a shared fleet:
                    to one of the fleet's replicas serving its adapter, when the fleet's scheduler grants
                    the run a slot by weighted fair share, `fleet.FleetScheduler`)
@@ -37,13 +38,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-import grpc
-
 from rlfabric.contracts import keys, lineage, wire
 from rlfabric.contracts.keys import Counter, DropReason
 from rlfabric.contracts.streams import GroupProducer, ensure_consumer_group, undelivered
 from rlfabric.contracts.trajectory import ENVIRONMENT_FAILURES, FAILED_STATUSES
-from rlfabric.coordinator.dataset import PromptCursor, PromptRow, chat_prompt, load_prompt_sets
+from rlfabric.coordinator.dataset import PromptCursor, PromptRow, load_prompt_sets
+from rlfabric.coordinator.dispatch import Dispatcher
 from rlfabric.coordinator.evaluation import Evaluator
 from rlfabric.coordinator.fleet import FleetLane, FleetScheduler
 from rlfabric.coordinator.inflight import InFlight, InvalidPrompt, ReplicaFailed
@@ -61,22 +61,17 @@ from rlfabric.coordinator.scaling import (
 )
 from rlfabric.coordinator.scoring import GroupScorer
 from rlfabric.reward.spec import ItemResult
-from rlfabric.runspec import RunSpec, SamplingSpec
+from rlfabric.runspec import RunSpec
 from rlfabric.runtime import failpoints, telemetry
 from rlfabric.runtime.aio import cancel_point
-from rlfabric.v1 import common_pb2, queue_pb2, rollout_pb2
-from rlfabric.weights.adapters import run_adapter_name
+from rlfabric.v1 import queue_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
-
-GENERATE_TIMEOUT_S = 600.0
 
 TRIM_INTERVAL_S = 5.0
 """How often acknowledged entries are trimmed from the groups stream."""
 ENQUEUE_POLL_S = 0.1
 """How often an enqueue waiting for room in the learner's backlog looks again."""
-INVALID_PROMPT_FIELD = "prompts["
-"""How a replica's INVALID_ARGUMENT names a prompt it refuses (`prompts[0]: ... exceed the context`)."""
 TOO_LONG_WARNING = "prompts too long for the context are dropped"
 """Start of the run-status warning shown once a prompt was refused as longer than `max_model_len -
 max_tokens` (each such prompt is dropped with the reason `prompt_too_long` and never dispatched again)."""
@@ -113,13 +108,6 @@ redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
 return 1
 """
-
-
-def is_invalid_prompt(error: grpc.aio.AioRpcError) -> bool:
-    """INVALID_ARGUMENT naming a prompt (`prompts[i]...`, the replica's field-naming convention); other
-    INVALID_ARGUMENTs (a duplicate request id, sampling beyond a replica's limits) are replica failures."""
-    details = error.details() or ""
-    return error.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(INVALID_PROMPT_FIELD)
 
 
 def trajectory_counts(samples: list[rollout_pb2.GeneratedSample]) -> dict[Counter, int]:
@@ -161,6 +149,7 @@ class RunPipeline:
         self.scaling = scaling or ScalingConfig()
         self.meter = BusyMeter(self.scaling.window_s)
         self.replicas = self.rollout_slots(fleet, rollout_token)
+        self.dispatcher = Dispatcher(run_id, spec, redis, self.replicas)
         self.producer = GroupProducer(redis, run_id, max_stream_length, poll_s=ENQUEUE_POLL_S)
         self.in_flight: dict[str, asyncio.Task[None]] = {}
         self.drop_once = redis.register_script(DROP_ONCE)
@@ -378,7 +367,7 @@ class RunPipeline:
         while True:
             cancel_point()
             try:
-                samples = await self.generate(item, row)
+                samples = await self.dispatcher.generate(item, row)
                 break
             except ReplicaFailed as exc:
                 item.attempts += 1
@@ -433,78 +422,6 @@ class RunPipeline:
         )
         with contextlib.suppress(RunNotFound):
             await self.store.add_warning(self.run_id, warning)
-
-    def prompt_proto(self, row: PromptRow) -> common_pb2.Prompt:
-        """The row's prompt as the replica receives it: the system prompt and the chat template's extra
-        variables of the dataset spec applied."""
-        data = self.spec.dataset
-        return wire.prompt_to_proto(
-            chat_prompt(row, data),
-            chat_template=data.chat_template,
-            template_kwargs=data.chat_template_kwargs,
-        )
-
-    def task_json(self, row: PromptRow) -> str:
-        """A multi-turn run's task for the environment's Reset: the row's columns, its reference (also
-        under its own column name) and `prompt` as generation sees it (the system prompt applied); "" for
-        a single-turn run."""
-        if self.spec.environment is None:
-            return ""
-        data = self.spec.dataset
-        named = {data.reference_field: row.reference} if data.reference_field else {}
-        task = {**row.metadata, "reference": row.reference, **named, "prompt": chat_prompt(row, data)}
-        return json.dumps(task, default=str)
-
-    def adapter_for(self, version: int) -> str:
-        """The replicas' adapter a request at policy `version` names: the run's own (named after the run)
-        once the learner has published one, when the run publishes LoRA adapters; "" (the base) otherwise.
-        Version 0 of an adapter is the base itself (LoRA starts with B = 0), so it is served by the base."""
-        adapter = self.spec.model.published_adapter is not None and version > 0
-        return run_adapter_name(self.run_id) if adapter else ""
-
-    async def generate(
-        self, item: InFlight, row: PromptRow, sampling: SamplingSpec | None = None
-    ) -> list[rollout_pb2.GeneratedSample]:
-        """One Generate call on the least-loaded replica (`sampling`: the run's unless given; on a shared
-        fleet, a replica that serves the request's adapter, when the run's fair share allows). ReplicaFailed
-        when the replica failed (it is excluded for a while), InvalidPrompt when it refused the prompt itself
-        (not the replica's fault)."""
-        latest = int(await self.redis.get(keys.version(self.run_id)) or 0)  # the learner's announced version
-        adapter = self.adapter_for(latest)
-        address = await self.replicas.acquire(adapter, latest if adapter else 0)
-        request = rollout_pb2.GenerateRequest(
-            request_id=f"{self.run_id}:{item.group_id}:a{item.attempts}",
-            min_policy_version=latest,
-            prompts=[
-                rollout_pb2.GeneratePrompt(
-                    prompt_id=row.prompt_id,
-                    prompt=self.prompt_proto(row),
-                    task_json=self.task_json(row),
-                )
-            ],
-            sampling=wire.sampling_to_proto(sampling or self.spec.rollout.sampling),
-            adapter=adapter,
-        )
-        if self.spec.environment is not None:
-            env = self.spec.environment
-            request.multi_turn.CopyFrom(wire.multi_turn_to_proto(env.max_turns, env.max_total_tokens))
-        failed = True
-        try:
-            samples = [
-                s async for s in self.replicas.stub(address).Generate(request, timeout=GENERATE_TIMEOUT_S)
-            ]
-            failed = not samples
-        except grpc.aio.AioRpcError as exc:
-            if is_invalid_prompt(exc):
-                failed = False
-                too_long = wire.is_prompt_too_long(exc.details() or "")
-                raise InvalidPrompt(f"{address}: {exc.details()}", too_long=too_long) from exc
-            raise ReplicaFailed(f"{address}: {exc.code().name}: {exc.details()}") from exc
-        finally:
-            await self.replicas.release(address, failed=failed)
-        if failed:
-            raise ReplicaFailed(f"{address}: the stream ended without samples")
-        return sorted(samples, key=lambda s: s.sample_index)
 
     async def finish_group(
         self,

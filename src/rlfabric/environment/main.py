@@ -16,6 +16,7 @@ from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
 from rlfabric.runtime.user_code import FunctionAllowlist
+from rlfabric.runtime.watchdog import watch_event_loop
 from rlfabric.v1 import environment_pb2, environment_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,12 @@ async def run(config: EnvironmentServiceConfig, table: SessionTable) -> None:
     log.info("environment service listening", extra={"port": port})
     print(f"rlfabric environment service listening on {config.server.host}:{port}", flush=True)
     expiry = asyncio.create_task(table.run_expiry(min(EXPIRY_INTERVAL_S, config.session_ttl_s / 4)))
+    watchdog = await watch_event_loop(config.stall_timeout_s, "the environment service's event loop")
     try:
         await server.wait_for_termination()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         expiry.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await expiry

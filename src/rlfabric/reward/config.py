@@ -52,6 +52,10 @@ class RewardServiceConfig(StrictModel):
     token: str | None = Field(default=None, min_length=1)
     """Bearer token required on Score and ListScorers (health checks stay open); set it from
     RLFABRIC_REWARD__TOKEN. The process refuses to start without it unless `insecure`."""
+    stall_timeout_s: float | None = Field(default=300.0, ge=10)
+    """A process whose event loop does not turn for this long (a call that blocks it and never returns:
+    every RPC waits behind it) writes every stack to its log and exits with code 75, so that whoever
+    started it restarts it (`runtime.watchdog`). None: never."""
     insecure: bool = False
     """Serve without credentials (`rlfabric serve reward --insecure`): `token` is no longer required at
     start (when set it is still enforced) and a WARNING is logged. For tests and loopback only: without a

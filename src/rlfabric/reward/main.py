@@ -16,6 +16,7 @@ from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_
 from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
+from rlfabric.runtime.watchdog import watch_event_loop
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,12 @@ async def run(
         on_ready(port)
     else:
         print(f"rlfabric reward service listening on {config.server.host}:{port}", flush=True)
+    watchdog = await watch_event_loop(config.stall_timeout_s, "the reward service's event loop")
     try:
         await server.wait_for_termination()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         await engine.close()
 
 

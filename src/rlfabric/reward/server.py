@@ -21,6 +21,7 @@ from rlfabric.reward.pool import KILL_SLACK_S
 from rlfabric.reward.scorers import InvalidScorerSpec, describe_scorers
 from rlfabric.reward.service import RewardEngine
 from rlfabric.reward.spec import ScorerSpec
+from rlfabric.runtime import failpoints
 from rlfabric.runtime.errors import InvalidArgument, ResourceExhausted
 from rlfabric.runtime.grpc_server import check_bearer
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
@@ -53,6 +54,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
         check_bearer(context, self.token)
+        failpoints.hit("reward.score")  # the fault tests' kill, or a hang that blocks the event loop
         self.check_sizes(request)
         spec = self.specs.get(request.scorer)
         items = [wire.item_from_proto(i, item) for i, item in enumerate(request.items)]

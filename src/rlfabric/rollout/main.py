@@ -46,7 +46,7 @@ from rlfabric.runtime.grpc_server import GrpcServer, full_service_name, options_
 from rlfabric.runtime.logs import setup_logging
 from rlfabric.runtime.metrics import serve_metrics
 from rlfabric.runtime.telemetry import setup_tracing
-from rlfabric.runtime.watchdog import Watchdog
+from rlfabric.runtime.watchdog import Watchdog, watch_event_loop
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfabric.weights.adapters import run_adapter_name
 
@@ -363,16 +363,19 @@ async def run(config: RolloutServiceConfig) -> None:
     await start_server(parts)
     install_drain_on_signal(parts)
     tasks = [asyncio.get_running_loop().create_task(export_metrics(parts))]
+    loop_watchdog = None
     try:
         await load_initial_weights(parts)
         await start_heartbeat(parts)
-        start_watchdog(parts)
+        loop_watchdog = await start_watchdogs(parts)
         follower = follower_of(parts)
         if follower is not None:
             tasks.append(asyncio.get_running_loop().create_task(follower))
         await parts.server.wait_for_termination()
     finally:
         parts.replica.watchdog.stop()
+        if loop_watchdog is not None:
+            loop_watchdog.stop()
         for task in tasks:
             task.cancel()
         if parts.heartbeat is not None:
@@ -382,15 +385,18 @@ async def run(config: RolloutServiceConfig) -> None:
         parts.weights.close()
 
 
-def start_watchdog(parts: Parts) -> None:
+async def start_watchdogs(parts: Parts) -> Watchdog | None:
     """`stall_timeout_s`: ends a replica whose engine finishes no sample for that long while prompts are
-    in flight (`runtime.watchdog`); its supervisor restarts it."""
+    in flight, or whose event loop does not turn for that long (idle or not: a blocked loop admits no
+    request, so nothing would be in flight); its supervisor restarts it (`runtime.watchdog`). Returns the
+    event loop's watchdog, to stop."""
     timeout, replica = parts.config.stall_timeout_s, parts.replica
     if timeout is None:
-        return
+        return None
     replica.watchdog = Watchdog(
         timeout, "the replica's engine", loop=asyncio.get_running_loop(), busy=lambda: replica.in_flight > 0
     ).start()
+    return await watch_event_loop(timeout, "the replica's event loop")
 
 
 def follower_of(parts: Parts) -> Coroutine[Any, Any, None] | None:

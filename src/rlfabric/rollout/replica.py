@@ -83,7 +83,7 @@ class Replica:
         self.limits = limits
         self.version: int | None = None
         self.in_flight = 0  # admitted prompts whose samples are not all finished
-        self.watchdog = Watchdog(float("inf"), "the replica's engine")  # `main.start_watchdog` arms it
+        self.watchdog = Watchdog(float("inf"), "the replica's engine")  # `main.start_watchdogs` arms it
         self.tokens_generated = 0
         self.last_load_s = 0.0
         self.busy_s = 0.0

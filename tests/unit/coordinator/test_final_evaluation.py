@@ -38,6 +38,7 @@ class FakePipeline:
         self.redis = redis
         self.step = 0
         self.version = 0
+        self.dispatcher = self  # generates itself, as the pipeline's dispatcher would
 
     async def generate(self, item: Any, row: PromptRow, sampling: Any = None) -> list[Any]:
         return [rollout_pb2.GeneratedSample(sample_index=0, text="x", policy_version=self.version)]

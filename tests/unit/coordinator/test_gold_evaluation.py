@@ -36,6 +36,7 @@ class FakePipeline:
     def __init__(self) -> None:
         self.spec = spec()
         self.redis = fakeredis.FakeAsyncRedis()
+        self.dispatcher = self  # generates itself, as the pipeline's dispatcher would
 
     async def generate(self, item: Any, row: PromptRow, sampling: Any = None) -> list[Any]:
         return [
