@@ -124,3 +124,22 @@ def test_a_failpoint_with_a_fired_folder_fires_once_among_processes(tmp_path: Pa
     again = reach(**{failpoints.FIRED_ENV: str(fired)})
     assert again.returncode == 0 and again.stdout == "passed\n", again
     assert reach().returncode == -signal.SIGKILL  # no folder: armed in every process
+
+
+def test_native_code_holding_the_gil_is_ended_by_the_c_level_backstop() -> None:
+    """A real process whose main thread hangs inside native code holding the GIL (a regular expression
+    that backtracks for ever stands in for a C extension's deadlock): the watchdog's own thread cannot run,
+    so the C-level timer it armed writes the stacks and ends the process, after 2 x its 1 s timeout."""
+    code = (
+        "import re, time\n"
+        "from rlfabric.runtime.watchdog import Watchdog\n"
+        "Watchdog(1.0, 'the test work').start()\n"
+        "time.sleep(0.5)\n"
+        "re.match(r'(a+)+$', 'a' * 40 + 'b')  # holds the GIL far longer than the test\n"
+        "print('not reached')\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "not reached" not in done.stdout, done
+    assert "Timeout (0:00:02)!" in done.stderr and "in match" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30

@@ -11,6 +11,14 @@ stderr (where the hang is), and ends the process at once with `EXIT_STALLED`. Ex
 crash does, and recovery from a crash at any point is proven (tests/faults): a learner resumes from its
 last complete checkpoint, a replica's requests go elsewhere, and the books balance.
 
+The watchdog's thread needs the GIL to run. Native code that hangs while holding it (a C extension's
+deadlock) would starve the thread as well, so while it runs the thread keeps a C-level timer armed
+(`faulthandler.dump_traceback_later`, re-armed at each check, cancelled when the watchdog stops): when
+the thread itself cannot run for `BACKSTOP_FACTOR` x `timeout_s`, the timer writes every thread's stack
+after a "Timeout" line and ends the process with code 1. It is armed only by watchdogs that end the
+process (`exit` is `os._exit`), and there is one such timer per process: the last check to re-arm it sets
+it.
+
 torch's NCCL watchdog does the same for a collective that never completes; this one covers the rest.
 """
 
@@ -31,6 +39,9 @@ log = logging.getLogger(__name__)
 
 EXIT_STALLED = 75
 """The exit code of a process the watchdog ended (EX_TEMPFAIL: a temporary failure, worth a restart)."""
+BACKSTOP_FACTOR = 2.0
+"""The C-level timer ends the process when the watchdog's own thread could not run for this many
+timeouts (the GIL held by hung native code)."""
 
 
 class Watchdog:
@@ -78,14 +89,21 @@ class Watchdog:
             self._thread.join()
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(5.0, self.timeout_s / 10)):
-            if self.busy is not None and not self.busy():
-                self.tick("idle")
-                continue
-            idle = time.monotonic() - self._last
-            if idle >= self.timeout_s:
-                self._fire(idle)
-                return
+        backstop = self._exit is os._exit and self.timeout_s != float("inf")
+        try:
+            while not self._stopped.wait(min(5.0, self.timeout_s / 10)):
+                if backstop:  # this thread ran: push the C-level timer on
+                    faulthandler.dump_traceback_later(BACKSTOP_FACTOR * self.timeout_s, exit=True)
+                if self.busy is not None and not self.busy():
+                    self.tick("idle")
+                    continue
+                idle = time.monotonic() - self._last
+                if idle >= self.timeout_s:
+                    self._fire(idle)
+                    return
+        finally:
+            if backstop:
+                faulthandler.cancel_dump_traceback_later()
 
     def _fire(self, idle: float) -> None:
         log.error(
@@ -93,6 +111,7 @@ class Watchdog:
             "so that its supervisor restarts it", self.what, idle, self._where, EXIT_STALLED,
         )  # fmt: skip
         sys.stderr.flush()
+        faulthandler.cancel_dump_traceback_later()
         faulthandler.dump_traceback(all_threads=True)
         if self.loop is not None:
             print(asyncio_task_stacks(self.loop), file=sys.stderr, flush=True)
