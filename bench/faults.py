@@ -25,7 +25,9 @@ the run's Redis is reopened from its AOF and the books are reconciled (`rlfabric
   group did, as dropped when it was dropped with a reason), minus the median of the no-fault runs:
   what the crash cost in generation;
 - dropped stale: groups the learner discarded as older than `max_staleness` (a crash should add none);
-- survivors: processes of the run still alive after `up` exited (must be 0).
+- survivors: processes of the run still alive after `up` exited (must be 0);
+- run s: the whole `up` run's wall time; against `none`'s, what the fault cost the run (a replica's hang
+  shows here: training goes on from queued groups at once, while the replica waits out its timeout).
 
 `none` is the baseline run without a fault, measured in the same invocation. `--quick` runs `none` and
 one learner kill on a 6-step run: it proves the code path, its figures mean nothing.
@@ -373,6 +375,7 @@ def summarise(results: list[RunResult]) -> dict[str, Any]:
             "samples_wasted": statistics.median(r.samples_wasted for r in runs),
             "dropped_stale": statistics.median(r.counters.get("dropped_stale", 0) for r in runs),
             "survivors": sum(len(r.survivors) for r in runs),
+            "wall_s": statistics.median(r.wall_s for r in runs),
         }
     return table
 
@@ -387,13 +390,15 @@ def table_row(scenario: str, t: dict[str, Any]) -> list[Any]:
         recovery = f"{fmt(rec['median'])} ({fmt(rec['min'])}..{fmt(rec['max'])})"
     counts = [t["prompts_lost"], t["trained_twice"], t["violations"]]
     wasted = [fmt(t["samples_wasted"]), fmt(t["dropped_stale"]), t["survivors"]]
-    return [scenario, f"{t['completed']}/{t['runs']}", recovery, *counts, *wasted]
+    return [scenario, f"{t['completed']}/{t['runs']}", fmt(t["wall_s"]), recovery, *counts, *wasted]
 
 
 def markdown(table: dict[str, Any], machine: dict[str, Any], args: Any) -> str:
-    headers = ["fault (SIGKILL, or -hang)", "runs completed", "recovery s (median, min..max)", "prompts lost",
-               "trained twice", "ledger violations", "samples wasted (median)", "dropped stale (median)",
-               "processes left"]  # fmt: skip
+    headers = [
+        "fault (SIGKILL, or -hang)", "runs completed", "run s (median)", "recovery s (median, min..max)",
+        "prompts lost", "trained twice", "ledger violations", "samples wasted (median)",
+        "dropped stale (median)", "processes left",
+    ]  # fmt: skip
     rows = [table_row(scenario, t) for scenario, t in table.items()]
     head = (
         f"## faults\n\n`rlfabric up --engine {args.engine}`, the demo task, {args.steps} steps of "

@@ -277,6 +277,16 @@ class Stack:
         proc.kill() if sigkill else proc.stop(grace_s=30)
         self.start_redis()
 
+    def freeze_redis(self, seconds: float) -> None:
+        """SIGSTOP redis-server for `seconds`, then SIGCONT: alive, its connections open, answering
+        nothing (a paused VM, a stalled disk under `appendfsync always`)."""
+        proc = self.procs["redis"]
+        proc.signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            proc.signal(signal.SIGCONT)
+
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop(grace_s=20)

@@ -121,6 +121,19 @@ def test_reward_service_sigkilled_and_restarted(make_stack: Callable[..., Stack]
     stack.books()
 
 
+def test_redis_frozen_mid_run(make_stack: Callable[..., Stack]) -> None:
+    """Redis stops answering for 25 s (SIGSTOP: connections open, commands unanswered, longer than the
+    clients' 10 s socket timeout) and then carries on with what it had buffered. Commands sent before the
+    freeze may run after the client gave up on them and retried: every write of the books must be safe to
+    run twice. The run completes and the books balance."""
+    stack = make_stack()
+    stack.start()
+    stack.wait_for_step(2)
+    stack.freeze_redis(25)
+    stack.finish()
+    stack.books()
+
+
 @pytest.mark.parametrize("sigkill", [False, pytest.param(True, marks=pytest.mark.faults_full)])
 def test_redis_restarted_mid_run(make_stack: Callable[..., Stack], sigkill: bool) -> None:
     stack = make_stack()
