@@ -387,16 +387,17 @@ async def run(config: RolloutServiceConfig) -> None:
 
 async def start_watchdogs(parts: Parts) -> Watchdog | None:
     """`stall_timeout_s`: ends a replica whose engine finishes no sample for that long while prompts are
-    in flight, or whose event loop does not turn for that long (idle or not: a blocked loop admits no
-    request, so nothing would be in flight); its supervisor restarts it (`runtime.watchdog`). Returns the
-    event loop's watchdog, to stop."""
+    in flight, or, while none is, whose event loop does not turn for that long (a blocked loop admits no
+    request, so nothing would ever be in flight); its supervisor restarts it (`runtime.watchdog`). One of
+    the two counts at a time: a loop blocked with prompts in flight is the engine's watchdog's. Returns
+    the event loop's watchdog, to stop."""
     timeout, replica = parts.config.stall_timeout_s, parts.replica
     if timeout is None:
         return None
     replica.watchdog = Watchdog(
         timeout, "the replica's engine", loop=asyncio.get_running_loop(), busy=lambda: replica.in_flight > 0
     ).start()
-    return await watch_event_loop(timeout, "the replica's event loop")
+    return await watch_event_loop(timeout, "the replica's event loop", busy=lambda: replica.in_flight == 0)
 
 
 def follower_of(parts: Parts) -> Coroutine[Any, Any, None] | None:

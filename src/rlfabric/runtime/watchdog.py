@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 EXIT_STALLED = 75
 """The exit code of a process the watchdog ended (EX_TEMPFAIL: a temporary failure, worth a restart)."""
+_FIRING = threading.Lock()
 BACKSTOP_FACTOR = 2.0
 """The C-level timer ends the process when the watchdog's own thread could not run for this many
 timeouts (the GIL held by hung native code)."""
@@ -106,6 +107,10 @@ class Watchdog:
                 faulthandler.cancel_dump_traceback_later()
 
     def _fire(self, idle: float) -> None:
+        with _FIRING:  # one report at a time: a second watchdog of the process waits for the exit
+            self._report_and_exit(idle)
+
+    def _report_and_exit(self, idle: float) -> None:
         log.error(
             "%s made no progress for %.0f s (the last was: %s): writing every stack and exiting with code %d "
             "so that its supervisor restarts it", self.what, idle, self._where, EXIT_STALLED,
@@ -119,16 +124,21 @@ class Watchdog:
 
 
 async def watch_event_loop(
-    timeout_s: float | None, what: str, *, exit: Callable[[int], object] = os._exit
+    timeout_s: float | None,
+    what: str,
+    *,
+    busy: Callable[[], bool] | None = None,
+    exit: Callable[[int], object] = os._exit,
 ) -> Watchdog | None:
     """Arms a watchdog on the running event loop: a task ticks it every second, so only a loop that stops
     turning (a blocking call in a coroutine that never returns: every request and every run of the service
-    waits behind it) goes `timeout_s` without a tick. None (and nothing armed) when `timeout_s` is None.
+    waits behind it) goes `timeout_s` without a tick; `busy` as for `Watchdog` (None: always watched). None
+    (and nothing armed) when `timeout_s` is None.
     The heartbeat task lives as long as the loop; the caller keeps the watchdog to `stop()` it."""
     if timeout_s is None:
         return None
     loop = asyncio.get_running_loop()
-    watchdog = Watchdog(timeout_s, what, loop=loop, exit=exit).start()
+    watchdog = Watchdog(timeout_s, what, loop=loop, busy=busy, exit=exit).start()
 
     async def heartbeat() -> None:
         while True:
