@@ -39,10 +39,11 @@ log = logging.getLogger(__name__)
 
 EXIT_STALLED = 75
 """The exit code of a process the watchdog ended (EX_TEMPFAIL: a temporary failure, worth a restart)."""
-_FIRING = threading.Lock()
 BACKSTOP_FACTOR = 2.0
 """The C-level timer ends the process when the watchdog's own thread could not run for this many
 timeouts (the GIL held by hung native code)."""
+_FIRING = threading.Lock()
+"""Held by the watchdog that reports and ends the process; another one that fires meanwhile waits."""
 
 
 class Watchdog:
