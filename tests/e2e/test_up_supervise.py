@@ -214,7 +214,7 @@ def test_up_restarts_a_hung_learner_replica_and_coordinator(
         assert re.search(rf"supervise: {service} exited with code 75 .*\(it hung", output), output[-3000:]
         log = (tmp_path / "run" / "logs" / f"{service}.log").read_text(errors="replace")
         assert "failpoints.py" in log and "no progress" in log, log[-2000:]
-    assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1)" in output, output[-3000:]
+    assert "restarts: 3 (coordinator 1, learner 1, rollout-0 1; 3 after a hang)" in output, output[-3000:]
     assert survivors(up.seen) == []
     assert balanced(tmp_path / "run", reopen_aof) == [STEPS * 8]
 

@@ -69,6 +69,7 @@ def test_a_process_its_watchdog_ended_is_restarted_and_said_to_have_hung(
         until(lambda: bool(said), supervisor)
         assert said[0].startswith(f"supervise: svc exited with code {EXIT_STALLED} after ")
         assert f"(it hung: no progress for its stall_timeout_s; every stack is in {proc.log_path})" in said[0]
+        assert supervisor.hangs == {"svc": 1}
     finally:
         supervisor.close()
         proc.stop(grace_s=5)

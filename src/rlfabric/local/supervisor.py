@@ -58,6 +58,8 @@ class Watched:
     """Deaths in a row within `Backoff.stable_s` of their launch."""
     restarts: int = 0
     """Launches after the first."""
+    hangs: int = 0
+    """Of its deaths, those its watchdog caused (exit code `EXIT_STALLED`: it was alive and stuck)."""
     finished: bool = False
     restarting: threading.Thread | None = None
 
@@ -106,6 +108,11 @@ class Supervisor:
         """Restarts so far, by process name (only those restarted)."""
         return {w.proc.name: w.restarts for w in self.watched if w.restarts}
 
+    @property
+    def hangs(self) -> dict[str, int]:
+        """Deaths by the process's own watchdog so far (it hung), by process name (only those that did)."""
+        return {w.proc.name: w.hangs for w in self.watched if w.hangs}
+
     def poll(self, now: float | None = None) -> None:
         """Schedules a restart for every watched process that died; sets `gave_up` when one died too
         often in a row."""
@@ -124,6 +131,7 @@ class Supervisor:
             entry.finished = True
             return
         uptime = now - proc.launched_at
+        entry.hangs += code == EXIT_STALLED
         fast = uptime < self.backoff.stable_s
         entry.fast_failures = entry.fast_failures + 1 if fast else 0
         if entry.fast_failures >= self.backoff.max_fast_failures:

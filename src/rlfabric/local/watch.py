@@ -356,7 +356,9 @@ def summarize(
     if supervisor is not None:
         restarts = supervisor.restarts
         listed = ", ".join(f"{name} {n}" for name, n in sorted(restarts.items())) or "none"
-        print(f"  restarts: {sum(restarts.values())} ({listed})")
+        hangs = supervisor.hangs
+        hung = f"; {sum(hangs.values())} after a hang" if hangs else ""
+        print(f"  restarts: {sum(restarts.values())} ({listed}{hung})")
     if scaler is not None:
         outs = sum(e.action == "out" for e in scaler.events)
         ins = len(scaler.events) - outs
