@@ -19,6 +19,7 @@ from rlfabric.rollout.engine import EngineSample
 from rlfabric.rollout.replica import PlayTask, Replica
 from rlfabric.rollout.trajectory import EnvironmentSessions, TrajectoryDriver, TrajectoryLimits
 from rlfabric.rollout.weights_source import WeightsSource
+from rlfabric.runtime import failpoints
 from rlfabric.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlfabric.runtime.grpc_server import check_bearer
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -227,6 +228,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ReplicaInfo:
         check_bearer(context, self.client_token)
+        failpoints.hit("rollout.get_info")  # the fault tests' hang of an idle replica's event loop
         return rollout_pb2.ReplicaInfo(
             replica_id=self.replica_id,
             address=self.address,
