@@ -257,25 +257,27 @@ def books_figures(audited: dict[str, Any], group_size: int) -> dict[str, Any]:
     }
 
 
+HANG_POINTS = {
+    "learner-hang": ("learner.after_step", "LEARNER"),
+    "replica-hang": ("rollout.mid_generate", "ROLLOUT"),
+}
+"""A `-hang` scenario's blocking failpoint and the service section its watchdog timeout is set in."""
+
+
 def hang_env(scenario: str, args: Any, fired: Path) -> dict[str, str]:
     """The environment that makes a `-hang` scenario's service hang once (empty for the others): a
     blocking failpoint, the folder that makes it fire once, and the service's watchdog timeout."""
-    if not scenario.endswith("-hang"):
+    if scenario not in HANG_POINTS:
         return {}
-    service = scenario.removesuffix("-hang")
-    if service == "learner":
-        point, variable = f"learner.after_step={args.fault_at_step}", "RLFABRIC_LEARNER__STALL_TIMEOUT_S"
-    else:  # one failpoint hit per sample generated: about the fault step's last sample
-        nth = args.fault_at_step * args.groups_per_step * args.group_size
-        point, variable = f"rollout.mid_generate={nth}", "RLFABRIC_ROLLOUT__STALL_TIMEOUT_S"
+    point, section = HANG_POINTS[scenario]
+    nth = args.fault_at_step  # the learner: after that step; a replica: one hit per sample generated
+    if section == "ROLLOUT":
+        nth *= args.groups_per_step * args.group_size
     return {
-        failpoints.ENV: f"{point}:hang",
+        failpoints.ENV: f"{point}={nth}:hang",
         failpoints.FIRED_ENV: str(fired),
-        variable: str(args.stall_timeout),
+        f"RLFABRIC_{section}__STALL_TIMEOUT_S": str(args.stall_timeout),
     }
-
-
-HANG_POINTS = {"learner-hang": "learner.after_step", "replica-hang": "rollout.mid_generate"}
 
 
 def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
@@ -313,12 +315,11 @@ def run_once(scenario: str, args: Any, root: Path, index: int) -> RunResult:
     wall = time.monotonic() - started
     recovery = None if pid is None else recovery_time(metrics, rows_before, killed_at)
     if scenario in HANG_POINTS:
-        hung_at = failpoints.fired_at(work / "fired", HANG_POINTS[scenario])
+        hung_at = failpoints.fired_at(work / "fired", HANG_POINTS[scenario][0])
         if hung_at is None:
             notes.append("the hang never fired")
         else:
-            rows_before = sum(1 for r in step_rows(metrics) if float(r.get("time", 0)) < hung_at)
-            recovery = recovery_time(metrics, rows_before, hung_at)
+            recovery = recovery_time(metrics, 0, hung_at)
     survivors = sorted(p for p in tree if _alive(p))
     text = (work / "up.log").read_text(errors="replace")
     figures = books_figures(audit(run_dir), args.group_size)

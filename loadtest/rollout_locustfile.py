@@ -38,7 +38,9 @@ from locust import User, constant, events, task
 from locust.env import Environment
 from locust.runners import WorkerRunner
 
-from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rlfabric.contracts import wire
+from rlfabric.runspec import SamplingSpec
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 
 # Before any channel exists: gRPC's core must yield to gevent's hub, or a call blocks every simulated user.
 grpc_gevent.init_gevent()
@@ -95,9 +97,8 @@ class RolloutUser(User):
         prompts = make_prompts(max(options.distinct_prompts, 1))
         offset = random.randrange(len(prompts))
         self.prompts = itertools.cycle(prompts[offset:] + prompts[:offset])  # users start apart
-        self.sampling = rollout_pb2.SamplingParams(
-            n=options.n, temperature=options.temperature, max_tokens=options.max_tokens
-        )
+        spec = SamplingSpec(n=options.n, temperature=options.temperature, max_tokens=options.max_tokens)
+        self.sampling = wire.sampling_to_proto(spec)
         self.channel = grpc.insecure_channel(self.host, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {options.token}"),) if options.token else ()
@@ -115,9 +116,8 @@ class RolloutUser(User):
     def generate(self) -> None:
         """One Generate call: its first sample, the whole call, or its shedding, reported to locust."""
         call = next(_calls)
-        prompt = rollout_pb2.GeneratePrompt(
-            prompt_id=f"p{call}", prompt=common_pb2.Prompt(text=next(self.prompts))
-        )
+        text = wire.prompt_to_proto(next(self.prompts))
+        prompt = rollout_pb2.GeneratePrompt(prompt_id=f"p{call}", prompt=text)
         request = rollout_pb2.GenerateRequest(
             request_id=f"loadtest-{os.getpid()}-{call}", prompts=[prompt], sampling=self.sampling
         )

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
+from standalone_replica import start_replica
 
 from rlfabric.local.procs import ServiceProcess
 from rlfabric.runtime import failpoints
@@ -85,9 +85,7 @@ def test_a_service_whose_event_loop_blocks_ends_itself_with_its_stacks(tmp_path:
         with pytest.raises(grpc.RpcError) as blocked:
             score(address, timeout_s=3)
         assert blocked.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        proc.wait_for(r"the reward service's event loop made no progress for \d+ s", timeout_s=60)
-        proc.wait_for(r'File ".*rlfabric[/\\]reward[/\\]server\.py", line \d+ in Score', timeout_s=30)
-        assert exit_code(proc) == EXIT_STALLED
+        assert_ended_itself(proc, "the reward service's event loop", r"reward[/\\]server\.py", "Score")
     finally:
         proc.stop()
 
@@ -96,38 +94,25 @@ def test_an_idle_replica_whose_event_loop_blocks_ends_itself(tmp_path: Path, tin
     """The same for a rollout replica with nothing in flight (a GetInfo call blocks its loop): its engine's
     watchdog counts only while prompts are in flight, and a blocked loop admits none, so the loop's own
     watchdog is what ends it."""
-    proc = ServiceProcess(
-        "rollout",
-        [
-            sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(tiny_model_dir),
-            "--engine", "transformers", "--port", "0", "--set", "server.metrics_port=-1",
-            "--set", "log.format=text", "--set", "stall_timeout_s=10",
-        ],
-        log_path=tmp_path / "rollout.log",
-        env={
-            **os.environ, "RLFABRIC_ROLLOUT__CLIENT_TOKEN": TOKEN, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": "ln",
-            failpoints.ENV: "rollout.get_info=1:hang",
-        },
-    )  # fmt: skip
+    log = tmp_path / "rollout.log"
+    proc, address = start_replica(
+        tiny_model_dir, log, TOKEN, "stall_timeout_s=10", failpoints="rollout.get_info=1:hang"
+    )
     try:
-        address = proc.start(r"listening on (\S+)", timeout_s=120).group(1)
-        proc.wait_for(r"serving version 0", timeout_s=120)
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as blocked:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             stub.GetInfo(
                 rollout_pb2.GetInfoRequest(), timeout=3, metadata=(("authorization", f"Bearer {TOKEN}"),)
             )
         assert blocked.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        proc.wait_for(r"the replica's event loop made no progress for \d+ s", timeout_s=60)
-        proc.wait_for(r'File ".*rlfabric[/\\]rollout[/\\]server\.py", line \d+ in GetInfo', timeout_s=30)
-        assert exit_code(proc) == EXIT_STALLED
+        assert_ended_itself(proc, "the replica's event loop", r"rollout[/\\]server\.py", "GetInfo")
     finally:
         proc.stop()
 
 
-def exit_code(proc: ServiceProcess, timeout_s: float = 30) -> int | None:
-    """The process's exit code once it exited (None if it still runs after `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
-    while proc.returncode is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return proc.returncode
+def assert_ended_itself(proc: ServiceProcess, what: str, file: str, function: str) -> None:
+    """`what`'s watchdog fired: its message, then the blocking frame (`function` in `file`, a pattern
+    under `rlfabric/`) among the stacks, then the exit with EXIT_STALLED."""
+    proc.wait_for(rf"{what} made no progress for \d+ s", timeout_s=60)
+    proc.wait_for(rf'File ".*rlfabric[/\\]{file}", line \d+ in {function}', timeout_s=30)
+    assert proc.proc is not None and proc.proc.wait(30) == EXIT_STALLED

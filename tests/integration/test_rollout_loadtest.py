@@ -6,7 +6,6 @@ longer run against a vLLM replica are in loadtest/README.md."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,10 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from standalone_replica import start_replica
 
-from rlfabric.local.procs import ServiceProcess
-
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "loadtest-client-token"
 SUMMARY = re.compile(r"rollout loadtest: (\d+) calls, (\d+) failures, (\d+) shed; (\d+) samples")
 
@@ -26,19 +24,8 @@ SUMMARY = re.compile(r"rollout loadtest: (\d+) calls, (\d+) failures, (\d+) shed
 def replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A replica that admits 2 prompts at a time; its address."""
     logs = tmp_path_factory.mktemp("loadtest")
-    proc = ServiceProcess(
-        "rollout",
-        [
-            sys.executable, "-m", "rlfabric.cli", "serve", "rollout", "--model", str(tiny_model_dir),
-            "--engine", "transformers", "--port", "0", "--set", "max_in_flight=2",
-            "--set", "server.metrics_port=-1", "--set", "log.format=text",
-        ],
-        log_path=logs / "rollout.log",
-        env={**os.environ, "RLFABRIC_ROLLOUT__CLIENT_TOKEN": TOKEN, "RLFABRIC_ROLLOUT__LEARNER_TOKEN": "ln"},
-    )  # fmt: skip
+    proc, address = start_replica(tiny_model_dir, logs / "rollout.log", TOKEN, "max_in_flight=2")
     try:
-        address = proc.start(r"listening on (\S+)", timeout_s=120).group(1)
-        proc.wait_for(r"serving version 0", timeout_s=120)
         yield address
     finally:
         proc.stop()
